@@ -1,0 +1,1 @@
+"""jaxmoe: Mixture-of-Experts language-model training in JAX."""

@@ -1,0 +1,165 @@
+"""Micro-benchmarks: `python -m jaxmoe.bench <subcommand> [--json PATH] ...`.
+
+Each subcommand is a function registered in `SUBCOMMANDS` with its own
+arguments; it returns a dict of numbers, which `--json` writes to a file.
+
+  moe   forward+backward of the MoE block alone (router included, grouped
+        dispatch, capacity factor 1.0) for several expert counts, against a
+        dense SwiGLU MLP of the same active FLOPs.
+
+Cases are timed round-robin, so machine noise hits every case alike, and the
+median of the repeats is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.config import MoEConfig
+from jaxmoe.model.layers import swiglu
+from jaxmoe.model.moe import MoE
+
+
+class Subcommand(NamedTuple):
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], dict]
+    help: str
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def subcommand(name: str, add_args: Callable[[argparse.ArgumentParser], None], help: str):
+    def wrap(fn: Callable[[argparse.Namespace], dict]):
+        SUBCOMMANDS[name] = Subcommand(add_args, fn, help)
+        return fn
+    return wrap
+
+
+# ---------------------------------------------------------------- timing
+
+
+def time_round_robin(cases: dict[str, Callable[[], object]], repeats: int,
+                     warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each case; one call of every case per round."""
+    for fn in cases.values():  # compile, then warm up
+        for _ in range(1 + warmup):
+            jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def fwd_bwd(apply: Callable[[object, jax.Array], jax.Array], params, x: jax.Array,
+            ct: jax.Array) -> Callable[[], object]:
+    """A jitted value_and_grad of <apply(params, x), ct> w.r.t. params and x, as a thunk."""
+
+    def loss(p, x):
+        return jnp.sum(apply(p, x) * ct)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    return lambda: step(params, x)
+
+
+def print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+# ---------------------------------------------------------------- moe
+
+
+def _moe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--expert-hidden", type=int, default=1024)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--experts", type=int, nargs="+", default=[8, 32, 128])
+    p.add_argument("--capacity-factor", type=float, default=1.0)
+    p.add_argument("--dispatcher", default="grouped")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _moe_case(num_experts: int, a: argparse.Namespace, x_TxD: jax.Array, ct_TxD: jax.Array):
+    """(fwd+bwd thunk, dropped fraction on these inputs) of one MoE block."""
+    cfg = MoEConfig(num_experts=num_experts, top_k=a.top_k, expert_hidden=a.expert_hidden,
+                    score_func="softmax", dispatcher=a.dispatcher,
+                    capacity_factor=a.capacity_factor)
+    model = MoE(a.d_model, cfg, std=0.02, out_std=0.02, rngs=nnx.Rngs(a.seed + num_experts))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def apply(p, x_TxD, with_aux=False):
+        y_1xTxD, aux = nnx.merge(graphdef, p, rest)(x_TxD[None])
+        return (y_1xTxD[0], aux) if with_aux else y_1xTxD[0]
+
+    dropped = jax.jit(lambda p, x: apply(p, x, with_aux=True)[1]["dropped"])(params, x_TxD)
+    return fwd_bwd(apply, params, x_TxD, ct_TxD), int(dropped) / (x_TxD.shape[0] * a.top_k)
+
+
+@subcommand("moe", _moe_args, "MoE block vs a dense SwiGLU of the same active FLOPs")
+def bench_moe(a: argparse.Namespace) -> dict:
+    T, D, F, K = a.tokens, a.d_model, a.expert_hidden, a.top_k
+    kx, kc, kg, kd = jax.random.split(jax.random.key(a.seed), 4)
+    x_TxD = jax.random.normal(kx, (T, D), jnp.float32)
+    ct_TxD = jax.random.normal(kc, (T, D), jnp.float32)
+    dense = (0.02 * jax.random.normal(kg, (D, 2 * K * F), jnp.float32),
+             0.02 * jax.random.normal(kd, (K * F, D), jnp.float32))
+    cases = {"dense": fwd_bwd(lambda p, x: swiglu(x, *p), dense, x_TxD, ct_TxD)}
+    drop = {}
+    for E in a.experts:
+        cases[f"moe_E{E}"], drop[f"moe_E{E}"] = _moe_case(E, a, x_TxD, ct_TxD)
+    secs = time_round_robin(cases, a.repeats)
+    flops = 6 * 3 * D * K * F * T  # fwd+bwd matmuls of the active expert weights
+    result = {"shape": {"tokens": T, "d_model": D, "expert_hidden": F, "top_k": K,
+                        "capacity_factor": a.capacity_factor, "dispatcher": a.dispatcher,
+                        "dtype": "float32", "repeats": a.repeats},
+              "cases": {name: {"seconds": s, "tokens_per_s": T / s, "gflops": flops / s / 1e9,
+                               "drop_fraction": drop.get(name, 0.0)}
+                        for name, s in secs.items()}}
+    tps = {name: c["tokens_per_s"] for name, c in result["cases"].items()}
+    E0 = a.experts[0]
+    ratios = {f"moe_E{E0}/dense": tps[f"moe_E{E0}"] / tps["dense"]}
+    ratios.update({f"E{E}/E{E0}": tps[f"moe_E{E}"] / tps[f"moe_E{E0}"] for E in a.experts[1:]})
+    result["ratios"] = ratios
+    rows = [("case", "ms", "tokens/s", "GFLOP/s", "dropped")]
+    rows += [(n, f"{c['seconds'] * 1e3:.1f}", f"{c['tokens_per_s']:.0f}", f"{c['gflops']:.1f}",
+              f"{c['drop_fraction']:.2%}") for n, c in result["cases"].items()]
+    rows += [("ratio " + n, "", f"{r:.3f}", "", "") for n, r in ratios.items()]
+    print_table(rows)
+    return result
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m jaxmoe.bench", description=__doc__.split("\n")[0])
+    subs = parser.add_subparsers(dest="command", required=True)
+    for name, sc in SUBCOMMANDS.items():
+        p = subs.add_parser(name, help=sc.help)
+        p.add_argument("--json", default=None, help="write the numbers to this file")
+        sc.add_args(p)
+    args = parser.parse_args(argv)
+    result = SUBCOMMANDS[args.command].run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

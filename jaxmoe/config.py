@@ -1,0 +1,335 @@
+"""Frozen run configuration: YAML in, validated dataclasses out, derived sizes.
+
+Every section is a frozen dataclass. `load_config(path, overrides)` reads YAML,
+applies dotted `key=value` overrides, rejects unknown keys, wrong types and
+inconsistent values with a `ConfigError` naming the key, before anything compiles.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the offending key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0: d_model // num_heads
+    mlp_hidden: int = 512  # hidden width of the dense (non-MoE) MLP layers
+    num_dense_layers: int = 0  # the first N layers use a dense MLP instead of MoE
+    qk_norm: bool = True
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 256
+    shared_expert_hidden: int = 0  # 0: no shared expert
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True  # rescale the top-k gates to sum to one
+    expert_bias: bool = False  # selection-only per-expert bias (aux-loss-free balancing)
+    bias_update_rate: float = 1e-3  # bias += rate * sign(mean load - load) after each step
+    router_jitter: float = 0.0  # multiplicative input noise in training, e.g. 0.01
+    dispatcher: Literal["dense", "grouped", "alltoall", "allgather", "ragged"] = "grouped"
+    capacity_factor: float = 1.25  # buffer rows per expert = factor * T * K / E
+    balance_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # -1: all devices left over
+    expert: int = 1
+    stage: int = 1
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    zero1: bool = True  # shard optimizer state over each tensor's replica axes
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    learning_rate: float = 3e-3
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: Literal["stdlib", "text", "tokens"] = "stdlib"
+    path: str | None = None
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    heldout_fraction: float = 0.05
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 16  # global batch, in sequences
+    seq_len: int = 256
+    microbatches: int = 1  # gradient accumulation: batch is split into this many
+    remat: Literal["none", "full", "matmuls"] = "none"
+    seed: int = 0
+    eval_every: int = 100  # 0: only at the end
+    eval_batches: int = 8
+    run_dir: str = "runs/default"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # save every N steps; 0: only at the end
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_every: int = 10
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        validate(self)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.model.num_layers - self.model.num_dense_layers
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _require(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def validate(c: Config) -> None:
+    """Cross-field checks; each names the key at fault."""
+    m, moe, t, o = c.model, c.moe, c.train, c.optimizer
+    for sec_name in ("model", "moe", "train", "optimizer", "checkpoint", "logging"):
+        sec = getattr(c, sec_name)
+        for f in dataclasses.fields(sec):
+            v = getattr(sec, f.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
+                raise ConfigError(f"{sec_name}.{f.name}: must be >= 0, got {v}")
+    for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
+        _require(getattr(m, key) > 0, f"model.{key}", "must be positive")
+    _require(m.num_heads % m.num_kv_heads == 0, "model.num_heads",
+             f"{m.num_heads} heads are not divisible by num_kv_heads={m.num_kv_heads}")
+    if not m.head_dim:
+        _require(m.d_model % m.num_heads == 0, "model.d_model",
+                 f"{m.d_model} is not divisible by num_heads={m.num_heads} (or set model.head_dim)")
+    _require(m.head_size % 2 == 0, "model.head_dim", f"RoPE needs an even head size, got {m.head_size}")
+    _require(m.num_dense_layers <= m.num_layers, "model.num_dense_layers",
+             f"{m.num_dense_layers} exceeds num_layers={m.num_layers}")
+    if m.num_dense_layers:
+        _require(m.mlp_hidden > 0, "model.mlp_hidden", "dense layers need a positive hidden size")
+    if c.num_moe_layers:
+        _require(moe.num_experts > 0, "moe.num_experts", "must be positive")
+        _require(0 < moe.top_k <= moe.num_experts, "moe.top_k",
+                 f"{moe.top_k} must be in [1, num_experts={moe.num_experts}]")
+        _require(moe.expert_hidden > 0, "moe.expert_hidden", "must be positive")
+        _require(moe.capacity_factor > 0, "moe.capacity_factor", "must be positive")
+    for axis in ("data", "expert", "stage"):
+        v = getattr(c.mesh, axis)
+        _require(v == -1 or v > 0, f"mesh.{axis}", f"must be positive or -1, got {v}")
+    _require([c.mesh.data, c.mesh.expert, c.mesh.stage].count(-1) <= 1, "mesh",
+             "at most one axis may be -1")
+    if c.num_moe_layers and c.mesh.expert > 0:
+        _require(moe.num_experts % c.mesh.expert == 0, "moe.num_experts",
+                 f"{moe.num_experts} experts cannot be split over mesh.expert={c.mesh.expert}")
+    _require(t.steps > 0, "train.steps", "must be positive")
+    _require(t.batch_size > 0 and t.seq_len > 0, "train.batch_size",
+             "batch_size and seq_len must be positive")
+    _require(t.microbatches > 0 and t.batch_size % t.microbatches == 0, "train.microbatches",
+             f"batch_size={t.batch_size} is not divisible by microbatches={t.microbatches}")
+    _require(o.learning_rate > 0, "optimizer.learning_rate", "must be positive")
+    _require(0.0 <= o.min_lr_ratio <= 1.0, "optimizer.min_lr_ratio", "must be in [0, 1]")
+    _require(0.0 < o.decay_fraction <= 1.0, "optimizer.decay_fraction", "must be in (0, 1]")
+    _require(0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0, "optimizer.b1", "betas must be in [0, 1)")
+    _require(o.warmup_steps < t.steps, "optimizer.warmup_steps",
+             f"{o.warmup_steps} must be below train.steps={t.steps}")
+    _require(0.0 < c.data.heldout_fraction <= 0.5, "data.heldout_fraction", "must be in (0, 0.5]")
+    if c.data.source != "stdlib":
+        _require(bool(c.data.path), "data.path", f"source '{c.data.source}' needs a path")
+    else:
+        _require(m.vocab_size >= 256, "model.vocab_size", "byte-level corpora need at least 256")
+    _require(c.logging.log_every > 0, "logging.log_every", "must be positive")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _check_type(value: Any, tp: Any, key: str) -> Any:
+    """Returns `value` coerced to `tp` (int -> float only), or raises naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_type(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(f"{key}: unknown key (valid: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in raw.items():
+        key = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value if value is not None else {}, key)
+        else:
+            kwargs[name] = _check_type(value, tp, key)
+    return cls(**kwargs)  # Config.__post_init__ runs validate()
+
+
+def _apply_override(raw: dict, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected section.key=value")
+    dotted, text = override.split("=", 1)
+    parts = dotted.strip().split(".")
+    node = raw
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{dotted}: cannot parse value {text!r}: {e}") from None
+
+
+def config_from_dict(raw: dict, overrides: typing.Sequence[str] = ()) -> Config:
+    """Builds a validated Config from nested dicts plus dotted overrides."""
+    raw = copy.deepcopy(raw or {})
+    for o in overrides:
+        _apply_override(raw, o)
+    return _build(Config, raw, "")
+
+
+def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}".replace("\n", " ")) from None
+    return config_from_dict(raw, overrides)
+
+
+def override_config(cfg: Config, overrides: typing.Sequence[str]) -> Config:
+    return config_from_dict(cfg.to_dict(), overrides)
+
+
+# ---------------------------------------------------------------- derived sizes
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    active: int  # parameters touched by one token: top-k of the routed experts
+    embedding: int  # input embedding table (a lookup, no matmul FLOPs)
+
+
+def param_counts(c: Config) -> ParamCounts:
+    m, moe = c.model, c.moe
+    d, hd = m.d_model, m.head_size
+    attn = d * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + 2 * d  # q, k, v, o + 2 norms
+    attn += 2 * hd if m.qk_norm else 0
+    dense_mlp = 3 * d * m.mlp_hidden
+    shared = 3 * d * moe.shared_expert_hidden
+    expert = 3 * d * moe.expert_hidden
+    router = d * moe.num_experts
+    embed = m.vocab_size * d
+    outer = 2 * embed + d  # embedding, LM head, final norm
+    L_dense, L_moe = m.num_dense_layers, c.num_moe_layers
+    total = outer + m.num_layers * attn + L_dense * dense_mlp
+    total += L_moe * (router + shared + moe.num_experts * expert)
+    active = total - L_moe * (moe.num_experts - moe.top_k) * expert
+    return ParamCounts(total=total, active=active, embedding=embed)
+
+
+def flops_per_token(c: Config) -> float:
+    """Training FLOPs per token: 6 x active matmul params + attention scores.
+
+    PaLM convention: attention adds 12 * layers * heads * head_dim * seq_len
+    (forward QK^T and AV, times three for training), counted without causal savings.
+    """
+    m = c.model
+    counts = param_counts(c)
+    matmul_params = counts.active - counts.embedding
+    attention = 12 * m.num_layers * m.num_heads * m.head_size * c.train.seq_len
+    return 6.0 * matmul_params + attention

@@ -1,0 +1,44 @@
+"""Causal grouped-query attention with RoPE and optional QK-norm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.config import ModelConfig
+from jaxmoe.model.layers import param, rms_norm, rope
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, out_std: float, rngs: nnx.Rngs):
+        D, H, G, Hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+        std = cfg.init_std
+        self.w_q = param(rngs, (D, H, Hd), ("embed", "heads", "head_dim"), std)
+        self.w_k = param(rngs, (D, G, Hd), ("embed", "kv_heads", "head_dim"), std)
+        self.w_v = param(rngs, (D, G, Hd), ("embed", "kv_heads", "head_dim"), std)
+        self.w_o = param(rngs, (H, Hd, D), ("heads", "head_dim", "embed"), out_std)
+        if cfg.qk_norm:
+            self.q_norm = param(rngs, (Hd,), ("head_dim",), value=1.0)
+            self.k_norm = param(rngs, (Hd,), ("head_dim",), value=1.0)
+        self.cfg = cfg
+
+    def qkv(self, x_BxLxD: jax.Array, positions_BxL: jax.Array):
+        cfg, dt = self.cfg, x_BxLxD.dtype
+        q = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.w_q[...].astype(dt))
+        k = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_k[...].astype(dt))
+        v = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_v[...].astype(dt))
+        if cfg.qk_norm:
+            q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
+            k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
+        return rope(q, positions_BxL, cfg.rope_theta), rope(k, positions_BxL, cfg.rope_theta), v
+
+    def out(self, o_BxLxHxHd: jax.Array) -> jax.Array:
+        return jnp.einsum("blhk,hkd->bld", o_BxLxHxHd, self.w_o[...].astype(o_BxLxHxHd.dtype))
+
+    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+        q, k, v = self.qkv(x_BxLxD, positions_BxL)
+        # jax.nn.dot_product_attention handles GQA (H a multiple of G) and picks
+        # the fused cuDNN kernel on GPU.
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o)

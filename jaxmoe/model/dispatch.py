@@ -1,0 +1,120 @@
+"""Token dispatch: moving routed token copies to their experts and back.
+
+Every dispatcher has one signature,
+
+    dispatcher(x_TxD, routing, weights, cfg, mesh) -> Dispatched(y_TxD, dropped)
+
+so the router and the experts never change when a dispatcher is added.
+`dense` (every expert on every token) is the reference; `grouped` packs the
+copies into fixed per-expert buffers for a batched GEMM. The expert-parallel
+dispatchers register themselves from `jaxmoe.parallel.ep_dispatch`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxmoe.config import MoEConfig
+from jaxmoe.model.experts import ExpertWeights, expert_ffn
+from jaxmoe.model.router import Routing
+
+
+class Dispatched(NamedTuple):
+    y_TxD: jax.Array  # combined expert outputs, weighted by the gates
+    dropped: jax.Array  # int32: token copies that found no room (0 when dropless)
+
+
+Dispatcher = Callable[[jax.Array, Routing, ExpertWeights, MoEConfig, "Mesh | None"], Dispatched]
+DISPATCHERS: dict[str, Dispatcher] = {}
+
+
+def register(name: str):
+    def wrap(fn: Dispatcher) -> Dispatcher:
+        DISPATCHERS[name] = fn
+        return fn
+    return wrap
+
+
+def get_dispatcher(name: str) -> Dispatcher:
+    if name not in DISPATCHERS:
+        import jaxmoe.parallel.ep_dispatch  # noqa: F401  (registers the EP dispatchers)
+    if name not in DISPATCHERS:
+        raise ValueError(f"moe.dispatcher: unknown dispatcher {name!r} (known: {sorted(DISPATCHERS)})")
+    return DISPATCHERS[name]
+
+
+def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Rows per expert buffer: factor x the uniform share, at most every token."""
+    return max(1, min(num_tokens, math.ceil(factor * num_tokens * top_k / num_experts)))
+
+
+def buffer_slots(expert_N: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
+    """Row-wise placement: each copy's row in its expert's buffer, in arrival order.
+
+    Returns (slot_N, kept_N): slot = expert * cap + row for kept copies, and the
+    out-of-range slot E * cap for copies past the capacity.
+    """
+    N = expert_N.shape[0]
+    order_N = jnp.argsort(expert_N, stable=True)
+    counts_E = jnp.zeros((num_experts,), jnp.int32).at[expert_N].add(1)
+    starts_E = jnp.cumsum(counts_E) - counts_E
+    row_sorted_N = jnp.arange(N, dtype=jnp.int32) - starts_E[expert_N[order_N]]
+    row_N = jnp.zeros((N,), jnp.int32).at[order_N].set(row_sorted_N)
+    kept_N = row_N < cap
+    slot_N = jnp.where(kept_N, expert_N * cap + row_N, num_experts * cap)
+    return slot_N, kept_N
+
+
+def gather_rows(x_TxD: jax.Array, slot_N: jax.Array, token_N: jax.Array, num_slots: int) -> jax.Array:
+    """Fills `num_slots` buffer rows by gathering through the inverse map slot -> token.
+
+    A gather (with scatter-add as its gradient) is cheaper on CPU than scattering
+    D-wide rows; empty rows read a zero row.
+    """
+    T = x_TxD.shape[0]
+    token_of_slot = jnp.full((num_slots + 1,), T, jnp.int32).at[slot_N].set(token_N)[:num_slots]
+    x_pad = jnp.concatenate([x_TxD, jnp.zeros((1, x_TxD.shape[1]), x_TxD.dtype)])
+    return x_pad[token_of_slot]
+
+
+def combine_rows(y_SxD: jax.Array, slot_N: jax.Array, gate_KxT: jax.Array) -> jax.Array:
+    """Weighted sum over each token's K copies; dropped copies (slot S) add zero."""
+    K, T = gate_KxT.shape
+    y_pad = jnp.concatenate([y_SxD, jnp.zeros((1, y_SxD.shape[1]), y_SxD.dtype)])
+    y_KxTxD = y_pad[slot_N].reshape(K, T, -1)
+    return jnp.einsum("ktd,kt->td", y_KxTxD, gate_KxT.astype(y_SxD.dtype))
+
+
+@register("dense")
+def dense_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig, mesh=None) -> Dispatched:
+    """Reference: every expert on every token, weighted by the (mostly zero) gates."""
+    T, E = x_TxD.shape[0], cfg.num_experts
+    gates_TxE = jnp.zeros((T, E), jnp.float32).at[
+        jnp.arange(T)[:, None], routing.expert_TxK].add(routing.gate_TxK)
+    y_ExTxD = expert_ffn(w, jnp.broadcast_to(x_TxD, (E,) + x_TxD.shape))
+    y_TxD = jnp.einsum("etd,te->td", y_ExTxD, gates_TxE.astype(x_TxD.dtype))
+    return Dispatched(y_TxD, jnp.zeros((), jnp.int32))
+
+
+@register("grouped")
+def grouped_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig, mesh=None) -> Dispatched:
+    """Local capacity-bounded dispatch: per-expert buffers and one batched GEMM.
+
+    Copies are ranked k-major (every token's first choice before any second
+    choice), so drops fall on the lower-ranked choices first.
+    """
+    T, D = x_TxD.shape
+    E, K = cfg.num_experts, cfg.top_k
+    C = capacity(T, K, E, cfg.capacity_factor)
+    expert_N = routing.expert_TxK.T.reshape(-1)  # k-major
+    token_N = jnp.tile(jnp.arange(T, dtype=jnp.int32), K)
+    slot_N, kept_N = buffer_slots(expert_N, E, C)
+    x_ExCxD = gather_rows(x_TxD, slot_N, token_N, E * C).reshape(E, C, D)
+    y_ExCxD = expert_ffn(w, x_ExCxD)
+    y_TxD = combine_rows(y_ExCxD.reshape(E * C, D), slot_N, routing.gate_TxK.T)
+    return Dispatched(y_TxD, jnp.sum(~kept_N).astype(jnp.int32))

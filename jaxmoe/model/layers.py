@@ -1,0 +1,68 @@
+"""Small building blocks: parameters with logical axes, RMSNorm, RoPE, SwiGLU MLP.
+
+Shape alphabet: B batch, L length, D model, H heads, G kv heads, Hd head size,
+F hidden, E experts, K top-k, T tokens (B*L), V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
+          std: float | None = None, value: float | None = None) -> nnx.Param:
+    """An fp32 parameter carrying logical axis names (mapped to the mesh by sharding.py)."""
+    assert len(shape) == len(axes), (shape, axes)
+    if value is not None:
+        init = jnp.full(shape, value, jnp.float32)
+    else:
+        init = std * jax.random.truncated_normal(rngs.params(), -3.0, 3.0, shape, jnp.float32)
+    return nnx.Param(init, out_sharding=axes, eager_sharding=False)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, axis_name: str, rngs: nnx.Rngs):
+        self.scale = param(rngs, (dim,), (axis_name,), value=1.0)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rope(x_BxLxHxHd: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (rotate-half layout), computed in fp32."""
+    hd = x_BxLxHxHd.shape[-1]
+    freq = theta ** (-jnp.arange(0, hd // 2, dtype=jnp.float32) * 2.0 / hd)
+    angle_BxLxHd2 = positions_BxL[..., None].astype(jnp.float32) * freq
+    sin = jnp.sin(angle_BxLxHd2)[:, :, None, :]
+    cos = jnp.cos(angle_BxLxHd2)[:, :, None, :]
+    x1, x2 = jnp.split(x_BxLxHxHd.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxHxHd.dtype)
+
+
+def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU with the gate and up projections fused in one [D, 2F] matmul."""
+    h = x @ w_gate_up.astype(x.dtype)
+    gate, up = jnp.split(h, 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ w_down.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """Dense SwiGLU feed-forward."""
+
+    def __init__(self, d_model: int, hidden: int, std: float, out_std: float, rngs: nnx.Rngs,
+                 hidden_axis: str = "mlp"):
+        self.w_gate_up = param(rngs, (d_model, 2 * hidden), ("embed", hidden_axis), std)
+        self.w_down = param(rngs, (hidden, d_model), (hidden_axis, "embed"), out_std)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return swiglu(x, self.w_gate_up[...], self.w_down[...])

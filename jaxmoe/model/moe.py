@@ -1,0 +1,47 @@
+"""The MoE feed-forward: router -> dispatch -> experts -> combine (+ shared expert)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxmoe.config import MoEConfig
+from jaxmoe.model.dispatch import get_dispatcher
+from jaxmoe.model.experts import Experts
+from jaxmoe.model.layers import MLP
+from jaxmoe.model.router import Router, balance_loss, expert_counts, z_loss
+
+
+class MoE(nnx.Module):
+    def __init__(self, d_model: int, cfg: MoEConfig, std: float, out_std: float, rngs: nnx.Rngs):
+        self.router = Router(d_model, cfg, std, rngs)
+        self.experts = Experts(cfg.num_experts, d_model, cfg.expert_hidden, std, out_std, rngs)
+        if cfg.shared_expert_hidden:
+            self.shared = MLP(d_model, cfg.shared_expert_hidden, std, out_std, rngs)
+        self.cfg = cfg
+
+    def __call__(self, x_BxLxD: jax.Array, mesh: Mesh | None = None,
+                 jitter_key: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """Returns the layer output and its router statistics (losses unscaled).
+
+        aux: balance_loss, z_loss, counts_E (requested copies per expert, before
+        any drop) and dropped (copies that found no buffer room).
+        """
+        cfg = self.cfg
+        B, L, D = x_BxLxD.shape
+        x_TxD = x_BxLxD.reshape(B * L, D)
+        routing = self.router(x_TxD, jitter_key)
+        counts_E = expert_counts(routing.expert_TxK, cfg.num_experts)
+        out = get_dispatcher(cfg.dispatcher)(x_TxD, routing, self.experts.weights(), cfg, mesh)
+        y_TxD = out.y_TxD
+        if cfg.shared_expert_hidden:
+            y_TxD = y_TxD + self.shared(x_TxD)
+        aux = {
+            "balance_loss": balance_loss(routing, counts_E),
+            "z_loss": z_loss(routing),
+            "counts_E": counts_E,
+            "dropped": out.dropped,
+        }
+        return y_TxD.reshape(B, L, D).astype(x_BxLxD.dtype), aux

@@ -1,0 +1,80 @@
+"""Token-choice router: fp32 scores, top-k selection, router losses.
+
+The selection-only expert bias (aux-loss-free balancing) lives in an
+`ExpertBias` variable, which is not an `nnx.Param`, so the optimizer never
+sees it; the train step updates it from globally reduced expert loads.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.config import MoEConfig
+from jaxmoe.model.layers import param
+
+
+class ExpertBias(nnx.Variable):
+    """Per-expert selection bias, updated outside the optimizer."""
+
+
+class Routing(NamedTuple):
+    expert_TxK: jax.Array  # int32 chosen experts, best first
+    gate_TxK: jax.Array  # fp32 combine weights
+    probs_TxE: jax.Array  # fp32 scores normalised per token (for the balance loss)
+    logits_TxE: jax.Array  # fp32 raw router logits (for the z-loss)
+
+
+def route(logits_TxE: jax.Array, cfg: MoEConfig, bias_E: jax.Array | None = None) -> Routing:
+    """Top-k routing from fp32 logits; the bias only affects which experts are chosen."""
+    logits_TxE = logits_TxE.astype(jnp.float32)
+    if cfg.score_func == "softmax":
+        scores_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+    else:
+        scores_TxE = jax.nn.sigmoid(logits_TxE)
+    selection_TxE = scores_TxE if bias_E is None else scores_TxE + bias_E
+    _, expert_TxK = jax.lax.top_k(selection_TxE, cfg.top_k)
+    gate_TxK = jnp.take_along_axis(scores_TxE, expert_TxK, axis=-1)
+    if cfg.renormalize:
+        gate_TxK = gate_TxK / (jnp.sum(gate_TxK, axis=-1, keepdims=True) + 1e-9)
+    probs_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
+    return Routing(expert_TxK.astype(jnp.int32), gate_TxK, probs_TxE, logits_TxE)
+
+
+def expert_counts(expert_TxK: jax.Array, num_experts: int) -> jax.Array:
+    """Requested (pre-drop) assignments per expert, int32 [E]."""
+    return jnp.zeros((num_experts,), jnp.int32).at[expert_TxK.reshape(-1)].add(1)
+
+
+def balance_loss(routing: Routing, counts_E: jax.Array) -> jax.Array:
+    """Switch load-balancing loss E * sum_i f_i * P_i (1.0 when perfectly uniform)."""
+    E = routing.probs_TxE.shape[-1]
+    f_E = counts_E.astype(jnp.float32) / jnp.maximum(jnp.sum(counts_E), 1)
+    P_E = jnp.mean(routing.probs_TxE, axis=0)
+    return E * jnp.sum(f_E * P_E)
+
+
+def z_loss(routing: Routing) -> jax.Array:
+    """Router z-loss: mean squared log-partition of the logits."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(routing.logits_TxE, axis=-1)))
+
+
+class Router(nnx.Module):
+    def __init__(self, d_model: int, cfg: MoEConfig, std: float, rngs: nnx.Rngs):
+        self.w = param(rngs, (d_model, cfg.num_experts), ("embed", "experts_replicated"), std)
+        if cfg.expert_bias:
+            self.bias = ExpertBias(jnp.zeros((cfg.num_experts,), jnp.float32),
+                                   out_sharding=("experts_replicated",), eager_sharding=False)
+        self.cfg = cfg
+
+    def __call__(self, x_TxD: jax.Array, jitter_key: jax.Array | None = None) -> Routing:
+        x = x_TxD.astype(jnp.float32)
+        if jitter_key is not None and self.cfg.router_jitter > 0:
+            eps = self.cfg.router_jitter
+            x = x * jax.random.uniform(jitter_key, x.shape, jnp.float32, 1.0 - eps, 1.0 + eps)
+        logits_TxE = x @ self.w[...]
+        bias = self.bias[...] if self.cfg.expert_bias else None
+        return route(logits_TxE, self.cfg, bias)

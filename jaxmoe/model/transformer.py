@@ -1,0 +1,105 @@
+"""Decoder-only MoE transformer with layers stacked and scanned.
+
+Layers of one kind share a stack whose parameters carry a leading `layers`
+axis; `lax.scan` runs the stack, so compile time does not grow with depth.
+The first `num_dense_layers` layers form a dense-MLP stack, the rest a MoE stack.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxmoe.config import Config
+from jaxmoe.model.attention import Attention
+from jaxmoe.model.layers import MLP, RMSNorm, param
+from jaxmoe.model.moe import MoE
+
+REMAT_POLICIES = {
+    "full": None,  # recompute the whole layer in the backward pass
+    "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: Config, use_moe: bool, rngs: nnx.Rngs):
+        m = cfg.model
+        std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
+        self.attn_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
+        self.attn = Attention(m, out_std, rngs)
+        self.mlp_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
+        if use_moe:
+            self.moe = MoE(m.d_model, cfg.moe, std, out_std, rngs)
+        else:
+            self.mlp = MLP(m.d_model, m.mlp_hidden, std, out_std, rngs)
+        self.use_moe = use_moe
+
+    def __call__(self, x_BxLxD, positions_BxL, mesh=None, jitter_key=None):
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL)
+        h = self.mlp_norm(x_BxLxD)
+        if self.use_moe:
+            y, aux = self.moe(h, mesh, jitter_key)
+        else:
+            y, aux = self.mlp(h), {}
+        return x_BxLxD + y, aux
+
+
+def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs) -> Block:
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return Block(cfg, use_moe, rngs)
+
+    return make(rngs)
+
+
+def run_stack(stack: Block, x_BxLxD, positions_BxL, mesh, key, remat: str):
+    """Scans the stacked blocks over x; returns x and the per-layer aux, stacked."""
+    graphdef, state = nnx.split(stack)
+    n = jax.tree.leaves(state)[0].shape[0]
+    keys = None if key is None else jax.random.split(key, n)
+
+    def body(x, layer):
+        layer_state, k = layer
+        return nnx.merge(graphdef, layer_state)(x, positions_BxL, mesh, k)
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return jax.lax.scan(body, x_BxLxD, (state, keys))
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: Config, rngs: nnx.Rngs):
+        m = cfg.model
+        self.embed = param(rngs, (m.vocab_size, m.d_model), ("vocab", "embed"), m.init_std)
+        if m.num_dense_layers:
+            self.dense_layers = _stack(cfg, False, m.num_dense_layers, rngs)
+        if cfg.num_moe_layers:
+            self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, rngs)
+        self.final_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
+        self.head = param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.init_std)
+        self.cfg = cfg
+
+    def __call__(self, tokens_BxL: jax.Array, *, mesh: Mesh | None = None,
+                 key: jax.Array | None = None, remat: str = "none") -> tuple[jax.Array, dict]:
+        """Returns fp32 logits [B, L, V] and aux: per MoE layer router stats, stacked.
+
+        `key` enables training-time randomness (router jitter); `mesh` is needed
+        by the expert-parallel dispatchers only.
+        """
+        m = self.cfg.model
+        B, L = tokens_BxL.shape
+        positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+        x = self.embed[...][tokens_BxL].astype(jnp.dtype(m.compute_dtype))
+        aux = {}
+        if m.num_dense_layers:
+            x, _ = run_stack(self.dense_layers, x, positions_BxL, mesh, None, remat)
+        if self.cfg.num_moe_layers:
+            x, aux = run_stack(self.moe_layers, x, positions_BxL, mesh, key, remat)
+        x = self.final_norm(x)
+        logits = jnp.einsum("bld,dv->blv", x, self.head[...].astype(x.dtype))
+        return logits.astype(jnp.float32), aux

@@ -1,0 +1,1 @@
+"""Parallel execution: expert-parallel dispatchers (and, later, pipeline stages)."""

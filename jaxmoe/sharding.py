@@ -1,0 +1,138 @@
+"""The device mesh and the rules that place every tensor on it.
+
+Mesh axes: `data` (replicas), `stage` (pipeline stages), `expert` (experts split
+across devices; outside MoE layers also a batch axis). `expert` is innermost so
+that an expert group is made of adjacent devices (the fast links of one host).
+
+Parameters carry logical axis names (`layers`, `vocab`, `embed`, `heads`, ...);
+one table per parallel mode maps them to mesh axes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxmoe.config import Config, ConfigError, MeshConfig
+
+AXES = ("data", "stage", "expert")
+BATCH_AXES = ("data", "expert")
+
+_DDP = {
+    "layers": "stage",
+    "experts": "expert",  # experts live on the devices that own them
+    # everything else (vocab, embed, heads, kv_heads, head_dim, mlp, expert_mlp,
+    # experts_replicated) is replicated: dense weights are data-parallel replicas
+}
+# FSDP, the design jaxmoe moves away from, kept to compare against: weights are
+# additionally split over `data` along the model dimension and re-gathered at use.
+_FSDP = {**_DDP, "embed": "data"}
+RULES: dict[str, dict[str, str]] = {"ddp": _DDP, "fsdp": _FSDP}
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
+    """Resolves -1 and checks the product against the devices present."""
+    shape = {"data": cfg.data, "stage": cfg.stage, "expert": cfg.expert}
+    known = math.prod(v for v in shape.values() if v != -1)
+    for axis, v in shape.items():
+        if v == -1:
+            if num_devices % known:
+                raise ConfigError(f"mesh.{axis}: -1 cannot fill {num_devices} devices "
+                                  f"with the other axes using {known}")
+            shape[axis] = num_devices // known
+    if math.prod(shape.values()) != num_devices:
+        raise ConfigError(f"mesh: data={shape['data']} x stage={shape['stage']} x "
+                          f"expert={shape['expert']} = {math.prod(shape.values())} devices, "
+                          f"but {num_devices} are present")
+    return shape
+
+
+def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
+    devices = jax.devices() if devices is None else devices
+    shape = mesh_shape(cfg, len(devices))
+    return jax.make_mesh(tuple(shape[a] for a in AXES), AXES,
+                         axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def check_divisibility(cfg: Config, mesh: Mesh) -> None:
+    """Shape checks that need the resolved mesh; run before compiling."""
+    n_batch = mesh.shape["data"] * mesh.shape["expert"]
+    per_micro = cfg.train.batch_size // cfg.train.microbatches
+    if per_micro % n_batch:
+        raise ConfigError(f"train.batch_size: {cfg.train.batch_size} sequences in "
+                          f"{cfg.train.microbatches} microbatches cannot be split over "
+                          f"data x expert = {n_batch} devices")
+    if cfg.num_moe_layers and cfg.moe.num_experts % mesh.shape["expert"]:
+        raise ConfigError(f"moe.num_experts: {cfg.moe.num_experts} experts cannot be split "
+                          f"over mesh.expert={mesh.shape['expert']}")
+    if cfg.mesh.parallelism == "fsdp" and cfg.model.d_model % mesh.shape["data"]:
+        raise ConfigError(f"model.d_model: {cfg.model.d_model} cannot be split over "
+                          f"mesh.data={mesh.shape['data']} for fsdp")
+    if cfg.moe.dispatcher == "ragged" and jax.default_backend() == "cpu":
+        raise ConfigError("moe.dispatcher: 'ragged' needs lax.ragged_all_to_all, which "
+                          "XLA:CPU does not implement; use 'alltoall' or 'allgather' on CPU")
+
+
+def logical_spec(names: tuple[str | None, ...], rules: dict[str, str]) -> P:
+    return P(*(rules.get(n) if n else None for n in names))
+
+
+def _names(var: nnx.Variable) -> tuple[str | None, ...]:
+    names = var.get_metadata().get("out_sharding")
+    return tuple(names) if names else (None,) * var.ndim
+
+
+def state_specs(state: Any, rules: dict[str, str]) -> Any:
+    """PartitionSpecs for an nnx.State from its variables' logical names."""
+    return jax.tree.map(lambda v: v.replace(logical_spec(_names(v), rules)), state,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Adds the tensor's replica axes (mesh axes it is not split over) to one dim.
+
+    ZeRO-1: each optimizer-state tensor is divided among the devices that hold
+    a replica of its parameter. The first dimension that divides evenly takes
+    the replica axes; a tensor too small to divide stays replicated.
+    """
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    used = {a for s in spec if s for a in ((s,) if isinstance(s, str) else s)}
+    replica = tuple(a for a in ("data", "expert") if a not in used and mesh.shape[a] > 1)
+    if not replica:
+        return P(*spec)
+    n = math.prod(mesh.shape[a] for a in replica)
+    for i, (dim, s) in enumerate(zip(shape, spec)):
+        held = () if s is None else ((s,) if isinstance(s, str) else tuple(s))
+        per_shard = dim // math.prod(mesh.shape[a] for a in held) if held else dim
+        if per_shard % n == 0 and per_shard >= n:
+            new = list(spec)
+            new[i] = held + replica if held else (replica if len(replica) > 1 else replica[0])
+            return P(*new)
+    return P(*spec)
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def per_device_shapes(array: jax.Array) -> set[tuple[int, ...]]:
+    """The shapes of an array's shards, for tests and the planner."""
+    return {tuple(s.data.shape) for s in array.addressable_shards}
+
+
+def fraction_per_device(array: jax.Array) -> float:
+    return float(np.prod(next(iter(per_device_shapes(array))))) / max(array.size, 1)

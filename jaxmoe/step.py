@@ -1,0 +1,167 @@
+"""Sharded init, the pure train step and the eval step, compiled once per (config, mesh).
+
+`train_step(state, batch) -> (state, metrics)` is a pure function jitted with
+explicit shardings and the state donated. Randomness comes from
+`fold_in(state.key, step)`. Metrics stay on device as arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxmoe import sharding
+from jaxmoe.config import Config
+from jaxmoe.model.transformer import Transformer
+from jaxmoe.optim import learning_rate_schedule, make_optimizer
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar
+    params: nnx.State  # trained parameters (fp32 master weights)
+    buffers: nnx.State  # non-trained variables: router expert biases
+    opt_state: Any
+    key: jax.Array  # base PRNG key; each step uses fold_in(key, step)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """Compiled functions and shardings for one (config, mesh)."""
+
+    cfg: Config
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    init: Callable[[jax.Array], TrainState]
+    train_step: Callable[[TrainState, jax.Array], tuple[TrainState, dict]]
+    eval_step: Callable[[TrainState, jax.Array], dict]
+
+    def model(self, state: TrainState) -> Transformer:
+        """An nnx view of the state's parameters (for notebooks and generation)."""
+        return nnx.merge(self.graphdef, state.params, state.buffers)
+
+
+def abstract_model(cfg: Config) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    return nnx.split(model, nnx.Param, ...)
+
+
+def state_shardings(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation,
+                    abs_params: nnx.State, abs_buffers: nnx.State) -> TrainState:
+    rules = sharding.RULES[cfg.mesh.parallelism]
+    param_specs = sharding.state_specs(abs_params, rules)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+
+    def opt_spec(p, spec):
+        return sharding.zero1_spec(spec, p.shape, mesh) if cfg.mesh.zero1 else spec
+
+    abs_opt = jax.eval_shape(tx.init, abs_params)
+    opt_specs = optax.tree_map_params(
+        tx, opt_spec, abs_opt, param_specs,
+        transform_non_params=lambda _: P(), is_leaf=is_spec)
+    specs = TrainState(P(), param_specs, sharding.state_specs(abs_buffers, rules), opt_specs, P())
+    return sharding.named(mesh, specs)
+
+
+def _layer_metrics(aux: dict, tokens_per_layer: int) -> dict:
+    counts_LxE = aux["counts_E"].astype(jnp.float32)
+    return {
+        "balance_loss": jnp.mean(aux["balance_loss"]),
+        "z_loss": jnp.mean(aux["z_loss"]),
+        "load_max_over_mean": jnp.max(counts_LxE, -1) / jnp.maximum(jnp.mean(counts_LxE, -1), 1e-9),
+        "drop_fraction": aux["dropped"].astype(jnp.float32) / tokens_per_layer,
+    }
+
+
+def build_steps(cfg: Config, mesh: Mesh) -> Steps:
+    sharding.check_divisibility(cfg, mesh)
+    graphdef, abs_params, abs_buffers = abstract_model(cfg)
+    tx = make_optimizer(cfg.optimizer, cfg.train.steps)
+    lr_at = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    shardings = state_shardings(cfg, mesh, tx, abs_params, abs_buffers)
+    batch_sh = sharding.batch_sharding(mesh)
+    has_moe, moe = cfg.num_moe_layers > 0, cfg.moe
+    M = cfg.train.microbatches
+
+    def init(key):
+        model = Transformer(cfg, nnx.Rngs(params=key))
+        _, params, buffers = nnx.split(model, nnx.Param, ...)
+        return TrainState(jnp.zeros((), jnp.int32), params, buffers, tx.init(params), key)
+
+    def loss_fn(params, buffers, tokens_BxL1, key):
+        model = nnx.merge(graphdef, params, buffers)
+        logits, aux = model(tokens_BxL1[:, :-1], mesh=mesh, key=key, remat=cfg.train.remat)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxL1[:, 1:]).mean()
+        loss = ce
+        if has_moe:
+            loss += moe.balance_loss_weight * jnp.mean(aux["balance_loss"])
+            loss += moe.z_loss_weight * jnp.mean(aux["z_loss"])
+        return loss, (ce, aux)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def train_step(state: TrainState, batch_BxL1: jax.Array):
+        step_key = jax.random.fold_in(state.key, state.step)
+        B, L1 = batch_BxL1.shape
+        # Strided split keeps each device's rows on that device in every microbatch.
+        micro_MxBxL1 = batch_BxL1.reshape(B // M, M, L1).swapaxes(0, 1)
+
+        def accumulate(carry, xs):
+            i, tokens = xs
+            key = jax.random.fold_in(step_key, i) if moe.router_jitter > 0 else None
+            (loss, (ce, aux)), grads = grad_fn(state.params, state.buffers, tokens, key)
+            sums = jax.tree.map(jnp.add, carry, (grads, loss, ce, aux))
+            return sums, None
+
+        zeros = jax.tree.map(
+            jnp.zeros_like, jax.eval_shape(lambda: (
+                state.params, jnp.float32(0), jnp.float32(0),
+                jax.eval_shape(grad_fn, state.params, state.buffers, micro_MxBxL1[0], None)[0][1][1])))
+        (grads, loss, ce, aux), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(M), micro_MxBxL1))
+        grads = jax.tree.map(lambda g: g / M, grads)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        buffers = state.buffers
+        metrics = {"loss": loss / M, "ce": ce / M, "grad_norm": grad_norm, "lr": lr_at(state.step)}
+        if has_moe:
+            aux = {**aux, "balance_loss": aux["balance_loss"] / M, "z_loss": aux["z_loss"] / M}
+            metrics |= _layer_metrics(aux, B * (L1 - 1) * moe.top_k)
+            if moe.expert_bias:
+                buffers = update_expert_bias(buffers, aux["counts_E"], moe.bias_update_rate)
+        new_state = TrainState(state.step + 1, params, buffers, opt_state, state.key)
+        return new_state, metrics
+
+    def eval_step(state: TrainState, batch_BxL1: jax.Array):
+        _, (ce, _) = loss_fn(state.params, state.buffers, batch_BxL1, None)
+        return {"ce": ce}
+
+    rep = sharding.replicated(mesh)
+    return Steps(
+        cfg=cfg, mesh=mesh, graphdef=graphdef, state_shardings=shardings, batch_sharding=batch_sh,
+        init=jax.jit(init, in_shardings=rep, out_shardings=shardings),
+        train_step=jax.jit(train_step, in_shardings=(shardings, batch_sh),
+                           out_shardings=(shardings, rep), donate_argnums=0),
+        eval_step=jax.jit(eval_step, in_shardings=(shardings, batch_sh), out_shardings=rep),
+    )
+
+
+def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float) -> nnx.State:
+    """Aux-loss-free balancing: nudge each expert's selection bias toward mean load.
+
+    Uses the step's requested counts summed over the global batch (XLA reduces
+    them across devices), once per optimizer step, however often a layer was
+    recomputed.
+    """
+    router = buffers["moe_layers"]["moe"]["router"]
+    counts = counts_LxE.astype(jnp.float32)
+    delta = rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
+    router["bias"] = jax.tree.map(lambda b: b + delta, router["bias"])
+    return buffers

@@ -1,0 +1,83 @@
+"""Config loading: errors name the key; derived counts match the real model."""
+
+import jax
+import pytest
+from flax import nnx
+
+from jaxmoe.config import Config, ConfigError, config_from_dict, load_config, param_counts
+from jaxmoe.model.transformer import Transformer
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"moe": {"top_k": 9, "num_experts": 8}}, "moe.top_k"),
+    ({"model": {"num_heads": 6, "num_kv_heads": 4}}, "model.num_heads"),
+    ({"model": {"d_model": 100, "num_heads": 8, "num_kv_heads": 8}}, "model.d_model"),
+    ({"model": {"d_model": "wide"}}, "model.d_model"),
+    ({"model": {"qk_norm": 1}}, "model.qk_norm"),
+    ({"moe": {"dispatcher": "magic"}}, "moe.dispatcher"),
+    ({"moe": {"expertz": 4}}, "moe.expertz"),
+    ({"optimiser": {}}, "optimiser"),
+    ({"train": {"batch_size": 10, "microbatches": 4}}, "train.microbatches"),
+    ({"model": {"num_dense_layers": 9}}, "model.num_dense_layers"),
+    ({"mesh": {"expert": 3}}, "moe.num_experts"),
+    ({"mesh": {"data": -1, "expert": -1}}, "mesh"),
+    ({"data": {"source": "tokens"}}, "data.path"),
+    ({"train": {"steps": 10}, "optimizer": {"warmup_steps": 20}}, "optimizer.warmup_steps"),
+    ({"moe": {"capacity_factor": -1.0}}, "moe.capacity_factor"),
+])
+def test_bad_values_name_the_key(raw, key):
+    with pytest.raises(ConfigError, match=f"^{key}"):
+        config_from_dict(raw)
+
+
+def test_yaml_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_overrides_and_immutability(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("moe:\n  num_experts: 8\n")
+    cfg = load_config(path, ["moe.num_experts=32", "optimizer.learning_rate=1e-3", "train.remat=full"])
+    assert cfg.moe.num_experts == 32 and cfg.optimizer.learning_rate == 1e-3
+    assert cfg.train.remat == "full"
+    with pytest.raises(ConfigError, match="^moe.top_k"):
+        load_config(path, ["moe.top_k=64"])
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(path, ["moe.top_k"])
+    with pytest.raises(Exception):
+        cfg.moe.num_experts = 4  # frozen
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+    configs = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        assert isinstance(load_config(path), Config)
+
+
+@pytest.mark.parametrize("raw", [
+    {},
+    {"model": {"num_dense_layers": 2, "num_layers": 3, "qk_norm": False},
+     "moe": {"shared_expert_hidden": 48, "expert_bias": True, "num_experts": 6, "top_k": 3}},
+    {"model": {"num_dense_layers": 2, "num_layers": 2}},
+])
+def test_param_counts_match_model(raw):
+    cfg = config_from_dict(raw)
+    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    params = nnx.state(model, nnx.Param)
+    total = sum(x.size for x in jax.tree.leaves(params))
+    counts = param_counts(cfg)
+    assert counts.total == total
+    # active = total minus the experts a token does not visit
+    experts = sum(x.size for path, x in jax.tree.leaves_with_path(params)
+                  if "experts" in jax.tree_util.keystr(path))
+    E, K = cfg.moe.num_experts, cfg.moe.top_k
+    assert counts.active == total - experts * (E - K) // E
+    if cfg.num_moe_layers:
+        assert counts.active < counts.total
