@@ -136,3 +136,12 @@ def per_device_shapes(array: jax.Array) -> set[tuple[int, ...]]:
 
 def fraction_per_device(array: jax.Array) -> float:
     return float(np.prod(next(iter(per_device_shapes(array))))) / max(array.size, 1)
+
+
+def constrain_batch(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """Pins activations to batch sharding, so weights are gathered (fsdp) rather than
+    activations split along the model dimension."""
+    if mesh is None:
+        return x
+    spec = P(BATCH_AXES, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

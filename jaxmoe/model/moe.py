@@ -5,13 +5,31 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.model.dispatch import get_dispatcher
+from jaxmoe.model.dispatch import Dispatched, get_dispatcher
 from jaxmoe.model.experts import Experts
 from jaxmoe.model.layers import MLP
 from jaxmoe.model.router import Router, balance_loss, expert_counts, z_loss
+from jaxmoe.sharding import BATCH_AXES
+
+LOCAL_DISPATCHERS = ("dense", "grouped")
+
+
+def _dispatch(x_TxD, routing, weights, cfg: MoEConfig, mesh: Mesh | None):
+    """Local dispatchers run per batch shard (each device packs its own tokens);
+    the expert-parallel ones place themselves on the mesh."""
+    dispatcher = get_dispatcher(cfg.dispatcher)
+    if mesh is None or cfg.dispatcher not in LOCAL_DISPATCHERS:
+        return dispatcher(x_TxD, routing, weights, cfg, mesh)
+
+    def local(x, r, w):
+        out = dispatcher(x, r, w, cfg, None)
+        return out._replace(dropped=jax.lax.psum(out.dropped, BATCH_AXES))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(BATCH_AXES), P(BATCH_AXES), P()),
+                         out_specs=Dispatched(P(BATCH_AXES), P()))(x_TxD, routing, weights)
 
 
 class MoE(nnx.Module):
@@ -34,7 +52,7 @@ class MoE(nnx.Module):
         x_TxD = x_BxLxD.reshape(B * L, D)
         routing = self.router(x_TxD, jitter_key)
         counts_E = expert_counts(routing.expert_TxK, cfg.num_experts)
-        out = get_dispatcher(cfg.dispatcher)(x_TxD, routing, self.experts.weights(), cfg, mesh)
+        out = _dispatch(x_TxD, routing, self.experts.weights(), cfg, mesh)
         y_TxD = out.y_TxD
         if cfg.shared_expert_hidden:
             y_TxD = y_TxD + self.shared(x_TxD)

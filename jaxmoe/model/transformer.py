@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxmoe.config import Config
+from jaxmoe.sharding import constrain_batch
 from jaxmoe.model.attention import Attention
 from jaxmoe.model.layers import MLP, RMSNorm, param
 from jaxmoe.model.moe import MoE
@@ -39,13 +40,14 @@ class Block(nnx.Module):
         self.use_moe = use_moe
 
     def __call__(self, x_BxLxD, positions_BxL, mesh=None, jitter_key=None):
+        x_BxLxD = constrain_batch(x_BxLxD, mesh)
         x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL)
         h = self.mlp_norm(x_BxLxD)
         if self.use_moe:
             y, aux = self.moe(h, mesh, jitter_key)
         else:
             y, aux = self.mlp(h), {}
-        return x_BxLxD + y, aux
+        return constrain_batch(x_BxLxD + y, mesh), aux
 
 
 def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs) -> Block:
@@ -95,11 +97,12 @@ class Transformer(nnx.Module):
         B, L = tokens_BxL.shape
         positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
         x = self.embed[...][tokens_BxL].astype(jnp.dtype(m.compute_dtype))
+        x = constrain_batch(x, mesh)
         aux = {}
         if m.num_dense_layers:
             x, _ = run_stack(self.dense_layers, x, positions_BxL, mesh, None, remat)
         if self.cfg.num_moe_layers:
             x, aux = run_stack(self.moe_layers, x, positions_BxL, mesh, key, remat)
         x = self.final_norm(x)
-        logits = jnp.einsum("bld,dv->blv", x, self.head[...].astype(x.dtype))
+        logits = constrain_batch(jnp.einsum("bld,dv->blv", x, self.head[...].astype(x.dtype)), mesh)
         return logits.astype(jnp.float32), aux

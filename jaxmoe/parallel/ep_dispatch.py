@@ -117,7 +117,7 @@ def allgather_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig
         expert_TgxK = lax.all_gather(expert_TlxK, "expert", tiled=True)
         gate_TgxK = lax.all_gather(gate_TlxK, "expert", tiled=True)
         # Local expert index; other ranks' experts fall outside [0, El) and one-hot to zero.
-        local_TgxK = expert_TgxK - 0 * El
+        local_TgxK = expert_TgxK - lax.axis_index("expert") * El
         gates_TgxEl = jnp.einsum("tk,tke->te", gate_TgxK, jax.nn.one_hot(local_TgxK, El))
         y_ElxTgxD = expert_ffn(w_local, jnp.broadcast_to(x_TgxD, (El,) + x_TgxD.shape))
         y_TgxD = jnp.einsum("etd,te->td", y_ElxTgxD, gates_TgxEl.astype(x_TgxD.dtype))
