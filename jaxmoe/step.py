@@ -55,8 +55,14 @@ def abstract_model(cfg: Config) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
 
 def state_shardings(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation,
                     abs_params: nnx.State, abs_buffers: nnx.State) -> TrainState:
+    """Where each part of the state lives.
+
+    ZeRO-1 splits optimizer state over each tensor's replica axes; with bf16
+    compute the fp32 master weights are split the same way and a bf16 working
+    copy is gathered inside the step.
+    """
     rules = sharding.RULES[cfg.mesh.parallelism]
-    param_specs = sharding.state_specs(abs_params, rules)
+    param_specs = compute_param_specs(cfg, abs_params)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
 
     def opt_spec(p, spec):
@@ -66,8 +72,31 @@ def state_shardings(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation,
     opt_specs = optax.tree_map_params(
         tx, opt_spec, abs_opt, param_specs,
         transform_non_params=lambda _: P(), is_leaf=is_spec)
+    if cfg.model.compute_dtype != "float32":
+        param_specs = jax.tree.map(opt_spec, abs_params, param_specs, is_leaf=is_spec)
     specs = TrainState(P(), param_specs, sharding.state_specs(abs_buffers, rules), opt_specs, P())
     return sharding.named(mesh, specs)
+
+
+def compute_param_specs(cfg: Config, abs_params: nnx.State) -> nnx.State:
+    """Where the parameters are used: the parallel mode's rules table."""
+    return sharding.state_specs(abs_params, sharding.RULES[cfg.mesh.parallelism])
+
+
+def working_copy(cfg: Config, mesh: Mesh, params: nnx.State, specs: nnx.State) -> nnx.State:
+    """Matrices cast to the compute dtype and placed where they are used; norms and
+    the router stay fp32. The identity for fp32 compute."""
+    if cfg.model.compute_dtype == "float32":
+        return params
+    dtype = jnp.dtype(cfg.model.compute_dtype)
+
+    def cast(path, p, spec):
+        keep = p.ndim < 2 or "router" in jax.tree_util.keystr(path)
+        p = p if keep else p.astype(dtype)
+        return jax.lax.with_sharding_constraint(p, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(cast, params, specs,
+                                            is_leaf=lambda x: isinstance(x, P))
 
 
 def _layer_metrics(aux: dict, tokens_per_layer: int) -> dict:
@@ -95,8 +124,10 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
         _, params, buffers = nnx.split(model, nnx.Param, ...)
         return TrainState(jnp.zeros((), jnp.int32), params, buffers, tx.init(params), key)
 
+    use_specs = compute_param_specs(cfg, abs_params)
+
     def loss_fn(params, buffers, tokens_BxL1, key):
-        model = nnx.merge(graphdef, params, buffers)
+        model = nnx.merge(graphdef, working_copy(cfg, mesh, params, use_specs), buffers)
         logits, aux = model(tokens_BxL1[:, :-1], mesh=mesh, key=key, remat=cfg.train.remat)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxL1[:, 1:]).mean()
         loss = ce

@@ -136,3 +136,20 @@ def test_bad_parallel_config(mesh, moe, train, key):
 def test_mesh_minus_one_fills():
     mesh = make_mesh(MeshConfig(data=-1, expert=4))
     assert dict(mesh.shape) == {"data": 2, "stage": 1, "expert": 4}
+
+
+def test_bf16_compute_keeps_sharded_fp32_master(reference):
+    _, _, ref_losses = reference
+    cfg = config_from_dict({**BASE, "model": {**BASE["model"], "compute_dtype": "bfloat16"},
+                            "moe": {**BASE["moe"], "dispatcher": "alltoall"},
+                            "mesh": {"data": 2, "expert": 4}})
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    state = steps.init(jax.random.PRNGKey(0))
+    wq = state.params["moe_layers"]["attn"]["w_q"][...]
+    assert wq.dtype == jnp.float32 and fraction_per_device(wq) == pytest.approx(1 / 8)
+    losses = []
+    for b in _batches():
+        state, metrics = steps.train_step(state, jax.device_put(b, steps.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)  # bf16 tracks fp32
+    assert losses != ref_losses  # but is not the fp32 computation

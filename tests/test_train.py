@@ -71,3 +71,16 @@ def test_main_rejects_bad_override(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text("train: {run_dir: out}\n")
     assert main(["--config", str(tmp_path / "c.yaml"), "--set", "moe.num_experts=zero"]) == 2
     assert "moe.num_experts" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny", "cpu8_ep"])
+def test_shipped_config_trains(tmp_path, name):
+    from pathlib import Path
+    from jaxmoe.config import load_config
+    path = Path(__file__).parent.parent / "configs" / f"{name}.yaml"
+    cfg = load_config(path, ["train.steps=3", "optimizer.warmup_steps=1", "train.eval_batches=1",
+                             f"train.run_dir={tmp_path}", "logging.progress=false",
+                             "logging.log_every=1"])
+    summary = train(cfg, load_corpus("stdlib", None, 256, cfg.train.seq_len))
+    assert np.isfinite(summary["heldout_loss"])
