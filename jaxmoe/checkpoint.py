@@ -29,3 +29,13 @@ def save(manager: ocp.CheckpointManager, state: TrainState, data_state: dict, cf
         data=ocp.args.JsonSave(data_state),
         config=ocp.args.JsonSave(cfg.to_dict()),
     ))
+
+
+def restore(manager: ocp.CheckpointManager, target: TrainState, step: int | None = None
+            ) -> tuple[TrainState, dict]:
+    """Restores the state into `target`'s shardings (abstract arrays with shardings
+    or real arrays) and returns it with the data iterator's state."""
+    step = manager.latest_step() if step is None else step
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+    return restored["state"], restored["data"]

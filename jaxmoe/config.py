@@ -57,6 +57,9 @@ class MoEConfig:
     dispatcher: Literal["dense", "grouped", "alltoall", "allgather", "ragged"] = "grouped"
     capacity_factor: float = 1.25  # buffer rows per expert = factor * T * K / E
     balance_loss_weight: float = 0.01
+    # tokens over which the Switch loss's f and P are taken: each device's
+    # micro-batch, each sequence, or the whole (micro)batch across data-parallel ranks
+    balance_scope: Literal["microbatch", "sequence", "global"] = "microbatch"
     z_loss_weight: float = 0.001
 
 

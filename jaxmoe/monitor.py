@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from jaxmoe.load_metrics import gerrymandering
+
 
 def to_python(metrics: dict) -> dict:
     """Device arrays -> JSON-friendly floats and lists, rounded for reading."""
@@ -23,6 +25,8 @@ class Monitor:
         self.file = open(run_dir / "metrics.jsonl", "a")
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress,
                         dynamic_ncols=True, unit="step")
+        self.balance_history: list[tuple[float, float]] = []
+        self.flagged = False
 
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -30,13 +34,22 @@ class Monitor:
 
     def progress(self, steps: int, record: dict) -> None:
         text = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
-        if "load_max_over_mean" in record:
-            worst = max(record["load_max_over_mean"])
-            text["max/mean load"] = f"{worst:.2f}"
-        if "drop_fraction" in record:
-            text["drop"] = f"{max(record['drop_fraction']):.1%}"
+        if "load_max_over_mean" in record:  # the worst MoE layer, at a glance
+            worst = max(range(len(record["load_max_over_mean"])),
+                        key=lambda i: record["load_max_over_mean"][i])
+            text["load"] = (f"L{worst} max/mean {record['load_max_over_mean'][worst]:.2f} "
+                            f"dead {int(max(record['dead_experts']))} "
+                            f"drop {max(record['drop_fraction']):.1%}")
+            self._watch_balance(record["balance_loss"], record["load_max_over_mean"][worst])
         self.bar.set_postfix(text, refresh=False)
         self.bar.update(steps)
+
+    def _watch_balance(self, balance_loss: float, worst_load: float) -> None:
+        self.balance_history.append((balance_loss, worst_load))
+        warning = gerrymandering(self.balance_history)
+        if warning and not self.flagged:
+            self.write(f"warning at step {self.bar.n}: {warning}")
+        self.flagged = warning is not None
 
     def write(self, line: str) -> None:
         self.bar.write(line)

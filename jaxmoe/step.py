@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmoe import sharding
 from jaxmoe.config import Config
+from jaxmoe.load_metrics import load_metrics
 from jaxmoe.model.transformer import Transformer
 from jaxmoe.optim import learning_rate_schedule, make_optimizer
 
@@ -99,16 +100,6 @@ def working_copy(cfg: Config, mesh: Mesh, params: nnx.State, specs: nnx.State) -
                                             is_leaf=lambda x: isinstance(x, P))
 
 
-def _layer_metrics(aux: dict, tokens_per_layer: int) -> dict:
-    counts_LxE = aux["counts_E"].astype(jnp.float32)
-    return {
-        "balance_loss": jnp.mean(aux["balance_loss"]),
-        "z_loss": jnp.mean(aux["z_loss"]),
-        "load_max_over_mean": jnp.max(counts_LxE, -1) / jnp.maximum(jnp.mean(counts_LxE, -1), 1e-9),
-        "drop_fraction": aux["dropped"].astype(jnp.float32) / tokens_per_layer,
-    }
-
-
 def build_steps(cfg: Config, mesh: Mesh) -> Steps:
     sharding.check_divisibility(cfg, mesh)
     graphdef, abs_params, abs_buffers = abstract_model(cfg)
@@ -164,7 +155,10 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
         metrics = {"loss": loss / M, "ce": ce / M, "grad_norm": grad_norm, "lr": lr_at(state.step)}
         if has_moe:
             aux = {**aux, "balance_loss": aux["balance_loss"] / M, "z_loss": aux["z_loss"] / M}
-            metrics |= _layer_metrics(aux, B * (L1 - 1) * moe.top_k)
+            metrics["balance_loss"] = jnp.mean(aux["balance_loss"])
+            metrics["z_loss"] = jnp.mean(aux["z_loss"])
+            metrics |= load_metrics(aux, B * (L1 - 1), moe.top_k, mesh.shape["expert"],
+                                    moe.balance_loss_weight)
             if moe.expert_bias:
                 buffers = update_expert_bias(buffers, aux["counts_E"], moe.bias_update_rate)
         new_state = TrainState(state.step + 1, params, buffers, opt_state, state.key)

@@ -44,8 +44,10 @@ class MoE(nnx.Module):
                  jitter_key: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Returns the layer output and its router statistics (losses unscaled).
 
-        aux: balance_loss, z_loss, counts_E (requested copies per expert, before
-        any drop) and dropped (copies that found no buffer room).
+        aux: balance_loss (at the configured scope), z_loss, and sums over this
+        call's tokens for the load metrics: counts_E (requested copies per expert,
+        before any drop), dropped (copies that found no buffer room), prob_sum_E
+        (normalised scores) and margin_sum (k-th minus (k+1)-th score).
         """
         cfg = self.cfg
         B, L, D = x_BxLxD.shape
@@ -57,9 +59,19 @@ class MoE(nnx.Module):
         if cfg.shared_expert_hidden:
             y_TxD = y_TxD + self.shared(x_TxD)
         aux = {
-            "balance_loss": balance_loss(routing, counts_E),
+            "balance_loss": balance_loss(routing, self._balance_groups(B, mesh)),
             "z_loss": z_loss(routing),
             "counts_E": counts_E,
             "dropped": out.dropped,
+            "prob_sum_E": jnp.sum(jax.lax.stop_gradient(routing.probs_TxE), axis=0),
+            "margin_sum": jnp.sum(routing.margin_T),
         }
         return y_TxD.reshape(B, L, D).astype(x_BxLxD.dtype), aux
+
+    def _balance_groups(self, batch: int, mesh: Mesh | None) -> int:
+        scope = self.cfg.balance_scope
+        if scope == "sequence":
+            return batch
+        if scope == "microbatch" and mesh is not None:
+            return mesh.shape["data"] * mesh.shape["expert"]  # one per device's batch shard
+        return 1

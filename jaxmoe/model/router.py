@@ -26,6 +26,7 @@ class Routing(NamedTuple):
     gate_TxK: jax.Array  # fp32 combine weights
     probs_TxE: jax.Array  # fp32 scores normalised per token (for the balance loss)
     logits_TxE: jax.Array  # fp32 raw router logits (for the z-loss)
+    margin_T: jax.Array  # fp32 gap between the k-th and (k+1)-th selection scores
 
 
 def route(logits_TxE: jax.Array, cfg: MoEConfig, bias_E: jax.Array | None = None) -> Routing:
@@ -36,12 +37,19 @@ def route(logits_TxE: jax.Array, cfg: MoEConfig, bias_E: jax.Array | None = None
     else:
         scores_TxE = jax.nn.sigmoid(logits_TxE)
     selection_TxE = scores_TxE if bias_E is None else scores_TxE + bias_E
-    _, expert_TxK = jax.lax.top_k(selection_TxE, cfg.top_k)
+    K, E = cfg.top_k, logits_TxE.shape[-1]
+    best_TxK1, expert_TxK1 = jax.lax.top_k(selection_TxE, min(K + 1, E))
+    expert_TxK = expert_TxK1[:, :K]
+    if K < E:
+        margin_T = best_TxK1[:, K - 1] - best_TxK1[:, K]
+    else:
+        margin_T = jnp.zeros(logits_TxE.shape[:1], jnp.float32)
     gate_TxK = jnp.take_along_axis(scores_TxE, expert_TxK, axis=-1)
     if cfg.renormalize:
         gate_TxK = gate_TxK / (jnp.sum(gate_TxK, axis=-1, keepdims=True) + 1e-9)
     probs_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
-    return Routing(expert_TxK.astype(jnp.int32), gate_TxK, probs_TxE, logits_TxE)
+    return Routing(expert_TxK.astype(jnp.int32), gate_TxK, probs_TxE, logits_TxE,
+                   jax.lax.stop_gradient(margin_T))
 
 
 def expert_counts(expert_TxK: jax.Array, num_experts: int) -> jax.Array:
@@ -49,12 +57,22 @@ def expert_counts(expert_TxK: jax.Array, num_experts: int) -> jax.Array:
     return jnp.zeros((num_experts,), jnp.int32).at[expert_TxK.reshape(-1)].add(1)
 
 
-def balance_loss(routing: Routing, counts_E: jax.Array) -> jax.Array:
-    """Switch load-balancing loss E * sum_i f_i * P_i (1.0 when perfectly uniform)."""
-    E = routing.probs_TxE.shape[-1]
-    f_E = counts_E.astype(jnp.float32) / jnp.maximum(jnp.sum(counts_E), 1)
-    P_E = jnp.mean(routing.probs_TxE, axis=0)
-    return E * jnp.sum(f_E * P_E)
+def balance_loss(routing: Routing, num_groups: int = 1) -> jax.Array:
+    """Switch load-balancing loss E * sum_i f_i * P_i, averaged over token groups.
+
+    f_i: share of the group's token copies routed to expert i (hard counts);
+    P_i: mean normalised score of expert i over the group's tokens. Groups are
+    contiguous token blocks: one per device micro-batch, per sequence, or one
+    for the whole batch (the scope). 1.0 when routing is uniform.
+    """
+    T, E = routing.probs_TxE.shape
+    G = num_groups
+    expert_GxN = routing.expert_TxK.reshape(G, -1)
+    counts_GxE = jnp.zeros((G, E), jnp.float32).at[
+        jnp.arange(G)[:, None], expert_GxN].add(1.0)
+    f_GxE = counts_GxE / expert_GxN.shape[1]
+    P_GxE = jnp.mean(routing.probs_TxE.reshape(G, T // G, E), axis=1)
+    return E * jnp.mean(jnp.sum(f_GxE * P_GxE, axis=-1))
 
 
 def z_loss(routing: Routing) -> jax.Array:
