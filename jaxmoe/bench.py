@@ -3,9 +3,11 @@
 Each subcommand is a function registered in `SUBCOMMANDS` with its own
 arguments; it returns a dict of numbers, which `--json` writes to a file.
 
-  moe   forward+backward of the MoE block alone (router included, grouped
-        dispatch, capacity factor 1.0) for several expert counts, against a
-        dense SwiGLU MLP of the same active FLOPs.
+  moe       forward+backward of the MoE block alone (router included, grouped
+            dispatch, capacity factor 1.0) for several expert counts, against a
+            dense SwiGLU MLP of the same active FLOPs.
+  parallel  a whole train step under ddp + expert parallelism against fsdp, on
+            8 devices: step time and bytes per collective kind, in one run.
 
 Cases are timed round-robin, so machine noise hits every case alike, and the
 median of the repeats is reported.
@@ -157,6 +159,64 @@ def bench_moe(a: argparse.Namespace) -> dict:
     rows += [(n, f"{c['seconds'] * 1e3:.1f}", f"{c['tokens_per_s']:.0f}", f"{c['gflops']:.1f}",
               f"{c['drop_fraction']:.2%}") for n, c in result["cases"].items()]
     rows += [("ratio " + n, "", f"{r:.3f}", "", "") for n, r in ratios.items()]
+    print_table(rows)
+    return result
+
+
+# ---------------------------------------------------------------- parallel
+
+PARALLEL_CASES = {  # (name, overrides): the mission's design against the FSDP it replaces
+    "ddp+alltoall 2x4": ["mesh.data=2", "mesh.expert=4", "mesh.parallelism=ddp",
+                         "moe.dispatcher=alltoall"],
+    "fsdp+alltoall 2x4": ["mesh.data=2", "mesh.expert=4", "mesh.parallelism=fsdp",
+                          "moe.dispatcher=alltoall"],
+    "fsdp 8x1": ["mesh.data=8", "mesh.expert=1", "mesh.parallelism=fsdp",
+                 "moe.dispatcher=grouped"],
+}
+
+
+def _parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="configs/cpu8_ep.yaml")
+    p.add_argument("--repeats", type=int, default=5)
+
+
+@subcommand("parallel", _parallel_args,
+            "ddp+EP vs fsdp: train-step time and collective bytes per step on 8 devices")
+def bench_parallel(a: argparse.Namespace) -> dict:
+    from jaxmoe.config import load_config
+    from jaxmoe.parallel.collectives import compiled_collective_bytes
+    from jaxmoe.sharding import make_mesh
+    from jaxmoe.step import build_steps
+
+    if jax.device_count() < 8:
+        raise SystemExit("bench parallel needs 8 devices; on CPU run it with "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    runs, moved = {}, {}
+    for name, overrides in PARALLEL_CASES.items():
+        cfg = load_config(a.config, overrides)
+        steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
+        state = [steps.init(jax.random.PRNGKey(0))]
+        tokens = jax.random.randint(jax.random.PRNGKey(1),
+                                    (cfg.train.batch_size, cfg.train.seq_len + 1), 0, 256)
+        batch = jax.device_put(tokens, steps.batch_sharding)
+        moved[name] = compiled_collective_bytes(steps.train_step.lower(state[0], batch).compile())
+
+        def run(steps=steps, state=state, batch=batch):
+            state[0], metrics = steps.train_step(state[0], batch)
+            return metrics
+
+        runs[name] = run
+    secs = time_round_robin(runs, a.repeats)
+    first = next(iter(secs))
+    result = {"config": a.config, "cases": {
+        name: {"step_s": secs[name], "vs_" + first: secs[name] / secs[first],
+               "collective_bytes": moved[name], "collective_total": sum(moved[name].values())}
+        for name in runs}}
+    kinds = list(next(iter(moved.values())))
+    rows = [("case", "step s", "/first", "total MB") + tuple(k + " MB" for k in kinds)]
+    rows += [(n, f"{c['step_s']:.3f}", f"{c['vs_' + first]:.2f}", f"{c['collective_total'] / 1e6:.2f}")
+             + tuple(f"{c['collective_bytes'][k] / 1e6:.2f}" for k in kinds)
+             for n, c in result["cases"].items()]
     print_table(rows)
     return result
 

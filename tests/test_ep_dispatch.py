@@ -24,8 +24,9 @@ ATOL = 1e-5
 
 def _cfg(dispatcher="dense", factor=E / K):
     # factor E / K makes C = Tl: a device's copies cannot overflow one expert's buffer.
+    # global balance scope: the loss must not depend on how the batch is split
     return MoEConfig(num_experts=E, top_k=K, expert_hidden=F, dispatcher=dispatcher,
-                     capacity_factor=factor)
+                     capacity_factor=factor, balance_scope="global")
 
 
 def _mesh(data, expert):
@@ -46,7 +47,7 @@ def _dispatch_vjp(name, cfg, mesh):
     """One compiled program: y, dropped and the grads of sum(y * ct) w.r.t. x, gates, weights."""
     def run(x_TxD, expert_TxK, gate_TxK, w, ct_TxD):
         def f(x, g, w):
-            r = Routing(expert_TxK, g, None, None)
+            r = Routing(expert_TxK, g, None, None, None)
             out = get_dispatcher(name)(x, r, w, cfg, mesh)
             return out.y_TxD, out.dropped
         (y, dropped), vjp = jax.vjp(f, x_TxD, gate_TxK, w)

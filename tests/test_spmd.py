@@ -14,8 +14,9 @@ from jaxmoe.step import build_steps
 BASE = {
     "model": {"d_model": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
               "num_dense_layers": 1, "mlp_hidden": 64},
+    # global balance scope: the loss must not depend on how the batch is split
     "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32, "capacity_factor": 4.0,
-            "shared_expert_hidden": 16},
+            "shared_expert_hidden": 16, "balance_scope": "global"},
     "train": {"steps": 10, "batch_size": 16, "seq_len": 16, "microbatches": 2},
     "optimizer": {"warmup_steps": 0, "learning_rate": 1e-2},
 }

@@ -85,39 +85,12 @@ def gather_rows(x_TxD: jax.Array, slot_N: jax.Array, token_N: jax.Array, num_slo
 def combine_rows(y_SxD: jax.Array, slot_N: jax.Array, gate_KxT: jax.Array) -> jax.Array:
     """Weighted sum over each token's K copies; dropped copies (slot S) add zero.
 
-    Kept copies hold distinct slots (as `buffer_slots` places them), so the
-    buffer's gradient is a gather through the inverse map slot -> copy rather
-    than a scatter-add of D-wide rows; the sum over K is elementwise, not a
-    K-deep matmul.
+    The sum over K is elementwise rather than a K-deep matmul.
     """
     K, T = gate_KxT.shape
-    y_KxTxD = _rows_at(y_SxD, slot_N).reshape(K, T, -1)
+    y_pad = jnp.concatenate([y_SxD, jnp.zeros((1, y_SxD.shape[1]), y_SxD.dtype)])
+    y_KxTxD = y_pad[slot_N].reshape(K, T, -1)
     return jnp.sum(y_KxTxD * gate_KxT.astype(y_SxD.dtype)[:, :, None], axis=0)
-
-
-def _pad_row(a_NxD: jax.Array) -> jax.Array:
-    return jnp.concatenate([a_NxD, jnp.zeros((1, a_NxD.shape[1]), a_NxD.dtype)])
-
-
-@jax.custom_vjp
-def _rows_at(y_SxD: jax.Array, slot_N: jax.Array) -> jax.Array:
-    """y_SxD[slot_N], reading a zero row for slot S; kept slots must be distinct."""
-    return _pad_row(y_SxD)[slot_N]
-
-
-def _rows_at_fwd(y_SxD, slot_N):
-    return _rows_at(y_SxD, slot_N), (slot_N, y_SxD.shape[0])
-
-
-def _rows_at_bwd(res, d_NxD):
-    slot_N, S = res
-    N = slot_N.shape[0]
-    copy_of_slot = jnp.full((S,), N, jnp.int32).at[slot_N].set(
-        jnp.arange(N, dtype=jnp.int32), mode="drop")
-    return _pad_row(d_NxD)[copy_of_slot], None
-
-
-_rows_at.defvjp(_rows_at_fwd, _rows_at_bwd)
 
 
 @register("dense")

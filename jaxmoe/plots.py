@@ -1,0 +1,82 @@
+"""Plots of a run's expert load: `python -m jaxmoe.plots RUN_DIR` writes PNGs there.
+
+- load_heatmaps: per MoE layer, each expert's load (relative to the mean) over steps;
+- balance_vs_imbalance: the Switch balance loss against the true max/mean load,
+  the picture that shows token gerrymandering when the two part ways.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "expert_load" in r]
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def load_heatmaps(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    records = read_metrics(run_dir)
+    if not records:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no expert-load records (no MoE layers?)")
+    steps = [r["step"] for r in records]
+    L = len(records[0]["load_max_over_mean"])
+    load_SxLxE = np.array([r["expert_load"] for r in records]).reshape(len(records), L, -1)
+    plt = _pyplot()
+    fig, axes = plt.subplots(L, 1, figsize=(8, 1.8 * L + 0.6), squeeze=False, sharex=True)
+    vmax = max(2.0, float(load_SxLxE.max()))
+    for layer, ax in enumerate(axes[:, 0]):
+        im = ax.imshow(load_SxLxE[:, layer].T, aspect="auto", cmap="magma", vmin=0, vmax=vmax,
+                       extent=(steps[0], steps[-1], load_SxLxE.shape[2] - 0.5, -0.5),
+                       interpolation="nearest")
+        ax.set_ylabel(f"MoE layer {layer}\nexpert")
+    axes[-1, 0].set_xlabel("step")
+    fig.colorbar(im, ax=axes[:, 0].tolist(), label="load / mean load")
+    fig.suptitle("expert load (requested tokens, global batch); 0 = dead expert")
+    out = Path(out or Path(run_dir) / "expert_load.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def balance_vs_imbalance(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    records = read_metrics(run_dir)
+    if not records:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no expert-load records (no MoE layers?)")
+    steps = [r["step"] for r in records]
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(steps, [r["balance_loss"] for r in records], color="tab:blue", label="balance loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("Switch balance loss (1 = uniform)", color="tab:blue")
+    twin = ax.twinx()
+    twin.plot(steps, [max(r["load_max_over_mean"]) for r in records], color="tab:red",
+              label="max/mean load (worst layer)")
+    twin.plot(steps, [max(r["dead_experts"]) for r in records], color="tab:gray", ls="--",
+              label="dead experts (worst layer)")
+    twin.set_ylabel("true imbalance", color="tab:red")
+    fig.legend(loc="upper right")
+    fig.suptitle("balance loss vs true load imbalance")
+    fig.tight_layout()
+    out = Path(out or Path(run_dir) / "balance_vs_load.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m jaxmoe.plots RUN_DIR")
+    for path in (load_heatmaps(sys.argv[1]), balance_vs_imbalance(sys.argv[1])):
+        print(f"wrote {path}")
