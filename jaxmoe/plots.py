@@ -15,8 +15,12 @@ import numpy as np
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The run's logged steps that carry expert-load metrics."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "expert_load" in r]
+    records = [r for r in map(json.loads, lines) if "expert_load" in r]
+    if not records:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no expert-load records (no MoE layers?)")
+    return records
 
 
 def _pyplot():
@@ -28,8 +32,6 @@ def _pyplot():
 
 def load_heatmaps(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = read_metrics(run_dir)
-    if not records:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no expert-load records (no MoE layers?)")
     steps = [r["step"] for r in records]
     L = len(records[0]["load_max_over_mean"])
     load_SxLxE = np.array([r["expert_load"] for r in records]).reshape(len(records), L, -1)
@@ -52,8 +54,6 @@ def load_heatmaps(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def balance_vs_imbalance(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = read_metrics(run_dir)
-    if not records:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no expert-load records (no MoE layers?)")
     steps = [r["step"] for r in records]
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))

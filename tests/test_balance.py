@@ -176,3 +176,17 @@ def test_gerrymandering_detector():
     gerry = [(1.2 - 0.01 * i, 2.0 + 0.05 * i) for i in range(10)]
     assert gerrymandering(honest) is None
     assert "balance loss fell" in gerrymandering(gerry)
+
+
+def test_plots_write_pngs(tmp_path):
+    import json
+    from jaxmoe import plots
+    rows = [{"step": s, "balance_loss": 1.1 - 0.01 * s, "load_max_over_mean": [1.0 + 0.1 * s, 1.2],
+             "dead_experts": [0, s % 2], "expert_load": [1.0] * 4 + [0.5 * s] * 4}
+            for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    for path in (plots.load_heatmaps(tmp_path), plots.balance_vs_imbalance(tmp_path)):
+        assert path.read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "eval_ce": 2.0}) + "\n")
+    with pytest.raises(ValueError, match="no expert-load records"):
+        plots.load_heatmaps(tmp_path)
