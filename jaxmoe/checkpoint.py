@@ -1,41 +1,119 @@
-"""Checkpoints through orbax's CheckpointManager: async, atomic, keep-last-K.
+"""Checkpoints through orbax's CheckpointManager: async, atomic, keep-last-K/every-N.
 
-A checkpoint holds the whole TrainState (params, optimizer state, router
-biases, step, RNG key), the data iterator's position and the config it was
-made with.
+A checkpoint holds everything needed to continue bit-exactly: the whole
+TrainState (params, optimizer state, router expert biases, step, RNG key) and a
+JSON `meta` item (format version, the data iterator's position, the config).
+Orbax writes into a temporary directory and renames it when complete, so a
+checkpoint exists only once whole; a process killed mid-save leaves the previous
+one as the latest.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import jax
 import orbax.checkpoint as ocp
 
 from jaxmoe.config import Config
-from jaxmoe.step import TrainState
+from jaxmoe.step import Steps, TrainState
+
+FORMAT_VERSION = 1
+# Keys whose change alters parameter or optimizer-state shapes.
+SHAPE_KEYS = {
+    "model": ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "mlp_hidden", "num_dense_layers", "qk_norm"),
+    "moe": ("num_experts", "expert_hidden", "shared_expert_hidden", "expert_bias"),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message says which and why."""
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir).absolute() / "checkpoints"
 
 
 def checkpoint_manager(run_dir: str | Path, cfg: Config) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=cfg.checkpoint.keep, create=True,
-                                           enable_async_checkpointing=True)
-    return ocp.CheckpointManager(Path(run_dir).absolute() / "checkpoints", options=options)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.checkpoint.keep, keep_period=cfg.checkpoint.keep_every or None,
+        create=True, enable_async_checkpointing=True)
+    return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options)
 
 
 def save(manager: ocp.CheckpointManager, state: TrainState, data_state: dict, cfg: Config) -> None:
-    """Starts an asynchronous save; orbax commits it atomically when complete."""
-    step = int(state.step)
-    manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        data=ocp.args.JsonSave(data_state),
-        config=ocp.args.JsonSave(cfg.to_dict()),
-    ))
+    """Starts an asynchronous save of the state at its step; training goes on."""
+    meta = {"format_version": FORMAT_VERSION, "data": data_state, "config": cfg.to_dict()}
+    manager.save(int(state.step), args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
 
-def restore(manager: ocp.CheckpointManager, target: TrainState, step: int | None = None
+def complete_steps(directory: str | Path) -> list[int]:
+    """Steps with a committed checkpoint (orbax's temporary directories excluded)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def read_meta(directory: str | Path, step: int | None = None) -> tuple[int, dict]:
+    """(step, meta) of the latest (or given) complete checkpoint; checks the format."""
+    directory = Path(directory)
+    steps = complete_steps(directory)
+    if not steps:
+        raise CheckpointError(f"no complete checkpoint in {directory}")
+    step = steps[-1] if step is None else step
+    path = directory / str(step) / "meta" / "metadata"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {directory / str(step)} is corrupt: cannot read "
+                              f"its metadata ({type(e).__name__})") from None
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {directory / str(step)} has format version {version}; "
+                              f"this jaxmoe reads up to {FORMAT_VERSION} (upgrade jaxmoe)")
+    return step, meta
+
+
+def check_compatible(saved: dict, cfg: Config, where: Path) -> None:
+    """Rejects resuming with a model whose shapes differ from the checkpoint's."""
+    current = cfg.to_dict()
+    diffs = [f"{sec}.{key}: checkpoint {saved[sec].get(key)!r}, config {current[sec][key]!r}"
+             for sec, keys in SHAPE_KEYS.items() for key in keys
+             if saved.get(sec, {}).get(key) != current[sec][key]]
+    if diffs:
+        raise CheckpointError(f"checkpoint {where} was made for another model shape: "
+                              + "; ".join(diffs))
+
+
+def abstract_target(steps: Steps) -> TrainState:
+    """Shapes, dtypes and this mesh's shardings: orbax restores (and reshards) into it."""
+    shapes = jax.eval_shape(steps.init, jax.random.PRNGKey(0))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        shapes, steps.state_shardings)
+
+
+def restore(directory: str | Path, steps: Steps, step: int | None = None
             ) -> tuple[TrainState, dict]:
-    """Restores the state into `target`'s shardings (abstract arrays with shardings
-    or real arrays) and returns it with the data iterator's state."""
-    step = manager.latest_step() if step is None else step
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
-    return restored["state"], restored["data"]
+    """Restores the latest (or given) checkpoint into `steps`' mesh and shardings.
+
+    Returns the state and the data iterator's state. The checkpoint may come
+    from another mesh: orbax reads each device's slice for the new shardings.
+    """
+    directory = Path(directory)
+    step, meta = read_meta(directory, step)
+    check_compatible(meta["config"], steps.cfg, directory / str(step))
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+        read_only=True, create=False))
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_target(steps))))
+    except Exception as e:  # orbax raises many types for damaged files
+        raise CheckpointError(f"checkpoint {directory / str(step)} is corrupt or unreadable: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    finally:
+        manager.close()
+    return restored["state"], meta["data"]

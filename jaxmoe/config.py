@@ -104,13 +104,15 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 100  # 0: only at the end
     eval_batches: int = 8
+    max_bad_steps: int = 5  # stop after this many consecutive non-finite steps (each is skipped)
     run_dir: str = "runs/default"
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0  # save every N steps; 0: only at the end
-    keep: int = 2
+    keep: int = 2  # keep the last K checkpoints
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of N; 0: none
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,8 @@ def validate(c: Config) -> None:
     else:
         _require(m.vocab_size >= 256, "model.vocab_size", "byte-level corpora need at least 256")
     _require(c.logging.log_every > 0, "logging.log_every", "must be positive")
+    _require(c.checkpoint.keep > 0, "checkpoint.keep", "must keep at least one checkpoint")
+    _require(t.max_bad_steps > 0, "train.max_bad_steps", "must be positive")
 
 
 # ---------------------------------------------------------------- loading

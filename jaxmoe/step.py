@@ -29,6 +29,7 @@ class TrainState(NamedTuple):
     buffers: nnx.State  # non-trained variables: router expert biases
     opt_state: Any
     key: jax.Array  # base PRNG key; each step uses fold_in(key, step)
+    bad_steps: jax.Array  # int32: consecutive steps skipped for a non-finite loss or gradient
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ def state_shardings(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation,
         transform_non_params=lambda _: P(), is_leaf=is_spec)
     if cfg.model.compute_dtype != "float32":
         param_specs = jax.tree.map(opt_spec, abs_params, param_specs, is_leaf=is_spec)
-    specs = TrainState(P(), param_specs, sharding.state_specs(abs_buffers, rules), opt_specs, P())
+    specs = TrainState(P(), param_specs, sharding.state_specs(abs_buffers, rules), opt_specs,
+                       P(), P())
     return sharding.named(mesh, specs)
 
 
@@ -100,7 +102,12 @@ def working_copy(cfg: Config, mesh: Mesh, params: nnx.State, specs: nnx.State) -
                                             is_leaf=lambda x: isinstance(x, P))
 
 
-def build_steps(cfg: Config, mesh: Mesh) -> Steps:
+def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> Steps:
+    """Compiles init, train and eval steps for `cfg` on `mesh`.
+
+    `loss_hook(loss, step) -> loss`, for tests only, may alter the training loss
+    (e.g. inject a NaN) without touching the model.
+    """
     sharding.check_divisibility(cfg, mesh)
     graphdef, abs_params, abs_buffers = abstract_model(cfg)
     tx = make_optimizer(cfg.optimizer, cfg.train.steps)
@@ -113,15 +120,18 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
     def init(key):
         model = Transformer(cfg, nnx.Rngs(params=key))
         _, params, buffers = nnx.split(model, nnx.Param, ...)
-        return TrainState(jnp.zeros((), jnp.int32), params, buffers, tx.init(params), key)
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(zero, params, buffers, tx.init(params), key, zero)
 
     use_specs = compute_param_specs(cfg, abs_params)
 
-    def loss_fn(params, buffers, tokens_BxL1, key):
+    def loss_fn(params, buffers, tokens_BxL1, key, step=None):
         model = nnx.merge(graphdef, working_copy(cfg, mesh, params, use_specs), buffers)
         logits, aux = model(tokens_BxL1[:, :-1], mesh=mesh, key=key, remat=cfg.train.remat)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxL1[:, 1:]).mean()
         loss = ce
+        if loss_hook is not None and step is not None:  # training only, not eval
+            loss = loss_hook(loss, step)
         if has_moe:
             loss += moe.balance_loss_weight * jnp.mean(aux["balance_loss"])
             loss += moe.z_loss_weight * jnp.mean(aux["z_loss"])
@@ -138,21 +148,23 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
         def accumulate(carry, xs):
             i, tokens = xs
             key = jax.random.fold_in(step_key, i) if moe.router_jitter > 0 else None
-            (loss, (ce, aux)), grads = grad_fn(state.params, state.buffers, tokens, key)
+            (loss, (ce, aux)), grads = grad_fn(state.params, state.buffers, tokens, key, state.step)
             sums = jax.tree.map(jnp.add, carry, (grads, loss, ce, aux))
             return sums, None
 
-        zeros = jax.tree.map(
-            jnp.zeros_like, jax.eval_shape(lambda: (
-                state.params, jnp.float32(0), jnp.float32(0),
-                jax.eval_shape(grad_fn, state.params, state.buffers, micro_MxBxL1[0], None)[0][1][1])))
+        aux_shapes = jax.eval_shape(grad_fn, state.params, state.buffers, micro_MxBxL1[0], None,
+                                    state.step)[0][1][1]
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                             (state.params, jnp.float32(0), jnp.float32(0), aux_shapes))
         (grads, loss, ce, aux), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(M), micro_MxBxL1))
         grads = jax.tree.map(lambda g: g / M, grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         buffers = state.buffers
-        metrics = {"loss": loss / M, "ce": ce / M, "grad_norm": grad_norm, "lr": lr_at(state.step)}
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        metrics = {"loss": loss / M, "ce": ce / M, "grad_norm": grad_norm, "lr": lr_at(state.step),
+                   "skipped": (~finite).astype(jnp.int32)}
         if has_moe:
             aux = {**aux, "balance_loss": aux["balance_loss"] / M, "z_loss": aux["z_loss"] / M}
             metrics["balance_loss"] = jnp.mean(aux["balance_loss"])
@@ -161,7 +173,13 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
                                     moe.balance_loss_weight)
             if moe.expert_bias:
                 buffers = update_expert_bias(buffers, aux["counts_E"], moe.bias_update_rate)
-        new_state = TrainState(state.step + 1, params, buffers, opt_state, state.key)
+        # A non-finite step changes nothing but the step counter (and the data position).
+        keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        params, opt_state, buffers = jax.tree.map(
+            keep_old, (params, opt_state, buffers), (state.params, state.opt_state, state.buffers))
+        bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
+        metrics["bad_steps"] = bad_steps
+        new_state = TrainState(state.step + 1, params, buffers, opt_state, state.key, bad_steps)
         return new_state, metrics
 
     def eval_step(state: TrainState, batch_BxL1: jax.Array):

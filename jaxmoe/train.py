@@ -1,17 +1,25 @@
-"""python -m jaxmoe.train --config configs/tiny.yaml [--set section.key=value ...]"""
+"""python -m jaxmoe.train --config configs/tiny.yaml [--set section.key=value ...] [--resume]
+
+A run resumes by itself from the latest complete checkpoint in its run
+directory; `--resume` insists that there is one.
+"""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
 import yaml
+from absl import logging as absl_logging
 
 from jaxmoe import checkpoint
+from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config, ConfigError, load_config
 from jaxmoe.data import BatchIterator, Corpus, DataError, heldout_batches, load_corpus
 from jaxmoe.monitor import Monitor, to_python
@@ -19,52 +27,114 @@ from jaxmoe.sharding import make_mesh
 from jaxmoe.step import build_steps
 
 
+class TooManyBadSteps(RuntimeError):
+    pass
+
+
 def evaluate(steps, state, batches: list[np.ndarray]) -> float:
     ces = [steps.eval_step(state, jax.device_put(b, steps.batch_sharding))["ce"] for b in batches]
     return float(np.mean(jax.device_get(ces)))
 
 
-def train(cfg: Config, corpus: Corpus) -> dict:
-    """Runs the configured job; returns the final summary (also printed)."""
+def check_resumable(cfg: Config, require: bool) -> None:
+    """Before anything is written: a checkpoint to resume must fit this config."""
+    directory = checkpoint.checkpoint_dir(cfg.train.run_dir)
+    if not checkpoint.complete_steps(directory):
+        if require:
+            raise CheckpointError(f"--resume: no complete checkpoint in {directory}")
+        return
+    step, meta = checkpoint.read_meta(directory)
+    checkpoint.check_compatible(meta["config"], cfg, directory / str(step))
+
+
+class StopSignals:
+    """SIGTERM / SIGINT end the run after the current step, with a final checkpoint."""
+
+    def __enter__(self):
+        self.received = None
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
+          loss_hook: Callable | None = None) -> dict:
+    """Runs (or resumes) the configured job; returns the final summary (also printed).
+
+    stop_after: leave after this many steps of this process, with a checkpoint
+    (for time-limited allocations). loss_hook: see `build_steps` (tests only).
+    """
     t = cfg.train
-    mesh = make_mesh(cfg.mesh)
-    steps = build_steps(cfg, mesh)
+    steps = build_steps(cfg, make_mesh(cfg.mesh), loss_hook)
     run_dir = Path(t.run_dir)
+    ckpt_dir = checkpoint.checkpoint_dir(run_dir)
+    if checkpoint.complete_steps(ckpt_dir):
+        state, data_state = checkpoint.restore(ckpt_dir, steps)
+        start = int(state.step)
+    else:
+        state, data_state, start = steps.init(jax.random.PRNGKey(t.seed)), {"step": 0}, 0
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
-    state = steps.init(jax.random.PRNGKey(t.seed))
-    batches = BatchIterator(corpus.train, t.batch_size, t.seq_len, seed=t.seed)
+    batches = BatchIterator(corpus.train, t.batch_size, t.seq_len, seed=t.seed,
+                            start_step=data_state["step"])
     eval_set = heldout_batches(corpus.heldout, t.batch_size, t.seq_len, t.eval_batches)
     manager = checkpoint.checkpoint_manager(run_dir, cfg)
-    monitor = Monitor(run_dir, t.steps, 0, cfg.logging.progress)
+    monitor = Monitor(run_dir, t.steps, start, cfg.logging.progress)
+    summary = {"run_dir": str(run_dir.absolute())}
+    if start:
+        monitor.write(f"resumed from step {start} in {ckpt_dir}")
+    else:
+        summary["heldout_loss_initial"] = evaluate(steps, state, eval_set)
+        monitor.log({"step": 0, "eval_ce": summary["heldout_loss_initial"]})
     tokens_per_step = t.batch_size * t.seq_len
-    initial_eval = evaluate(steps, state, eval_set)
-    monitor.log({"step": 0, "eval_ce": initial_eval})
-
-    last_time, last_step = time.perf_counter(), 0
-    for step in range(1, t.steps + 1):
-        state, metrics = steps.train_step(state, jax.device_put(next(batches), steps.batch_sharding))
-        if step % cfg.logging.log_every == 0 or step == t.steps:
-            record = {"step": step, **to_python(metrics)}  # waits for this step
-            now = time.perf_counter()
-            record["tokens_per_s"] = tokens_per_step * (step - last_step) / (now - last_time)
-            monitor.log(record)
-            monitor.progress(step - last_step, record)
-            last_time, last_step = now, step
-        if t.eval_every and step % t.eval_every == 0 and step != t.steps:
-            monitor.log({"step": step, "eval_ce": evaluate(steps, state, eval_set)})
-        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-            checkpoint.save(manager, state, batches.state(), cfg)
+    last_time, last_step, record, stop = time.perf_counter(), start, {}, None
+    end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+    with StopSignals() as signals:
+        for step in range(start + 1, end + 1):
+            state, metrics = steps.train_step(state, jax.device_put(next(batches), steps.batch_sharding))
+            if step % cfg.logging.log_every == 0 or step == end:
+                record = {"step": step, **to_python(metrics)}  # waits for this step
+                now = time.perf_counter()
+                record["tokens_per_s"] = tokens_per_step * (step - last_step) / (now - last_time)
+                monitor.log(record)
+                monitor.progress(step - last_step, record)
+                last_time, last_step = now, step
+                if record["bad_steps"] >= t.max_bad_steps:
+                    monitor.close()
+                    manager.wait_until_finished()
+                    raise TooManyBadSteps(
+                        f"{int(record['bad_steps'])} consecutive steps up to {step} had a "
+                        f"non-finite loss or gradient (train.max_bad_steps={t.max_bad_steps}); "
+                        f"stopped, last good checkpoint kept in {ckpt_dir}")
+            if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                monitor.log({"step": step, "eval_ce": evaluate(steps, state, eval_set)})
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != end:
+                checkpoint.save(manager, state, batches.state(), cfg)
+            if signals.received:
+                stop = signals.received
+                break
+    if int(state.step) not in (manager.all_steps() or []):
+        checkpoint.save(manager, state, batches.state(), cfg)
+    manager.wait_until_finished()
+    summary |= {"step": int(state.step), "tokens_per_s": record.get("tokens_per_s")}
+    if stop or int(state.step) < t.steps:
+        monitor.close()
+        why = f"on {stop}" if stop else f"after {stop_after} steps (--stop-after)"
+        print(f"stopped {why} at step {int(state.step)}; checkpoint in {ckpt_dir}")
+        return summary
     final_eval = evaluate(steps, state, eval_set)
     monitor.log({"step": t.steps, "eval_ce": final_eval})
-    checkpoint.save(manager, state, batches.state(), cfg)
-    manager.wait_until_finished()
     monitor.close()
-    summary = {"heldout_loss_initial": initial_eval, "heldout_loss": final_eval,
-               "tokens_per_s": record["tokens_per_s"], "run_dir": str(run_dir.absolute())}
-    print(f"held-out loss {final_eval:.4f} (from {initial_eval:.4f} at init); "
-          f"outputs in {run_dir.absolute()} (metrics.jsonl, config.yaml, checkpoints/)")
+    summary["heldout_loss"] = final_eval
+    print(f"held-out loss {final_eval:.4f}; outputs in {run_dir.absolute()} "
+          "(metrics.jsonl, config.yaml, checkpoints/)")
     return summary
 
 
@@ -73,16 +143,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set moe.num_experts=32")
+    parser.add_argument("--resume", action="store_true",
+                        help="require a checkpoint in the run directory to resume from")
+    parser.add_argument("--stop-after", type=int, default=None, metavar="N",
+                        help="leave after N steps of this process, with a checkpoint")
     args = parser.parse_args(argv)
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's routine notices
     try:
         cfg = load_config(args.config, args.set)
         corpus = load_corpus(cfg.data.source, cfg.data.path, cfg.model.vocab_size,
                              cfg.train.seq_len, cfg.data.heldout_fraction, cfg.data.token_dtype)
         make_mesh(cfg.mesh)  # device-count errors before anything compiles
-    except (ConfigError, DataError) as e:
+        check_resumable(cfg, args.resume)
+        train(cfg, corpus, stop_after=args.stop_after)
+    except (ConfigError, DataError, CheckpointError, TooManyBadSteps) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    train(cfg, corpus)
     return 0
 
 

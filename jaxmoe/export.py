@@ -1,0 +1,88 @@
+"""python -m jaxmoe.export --checkpoint RUN_OR_CHECKPOINT_DIR --out model.safetensors
+
+Writes a checkpoint's parameters and router biases (fp32) to one safetensors file, one tensor per
+layer and weight, named for what it is: `embedding` [vocab, d_model],
+`layers.{i}.attn.w_q` [d_model, heads, head_dim], `layers.{i}.moe.experts.w_gate_up`
+[experts, d_model, 2 x expert_hidden] (gate then up), `lm_head` [d_model, vocab], ...
+The file's metadata holds the config and each tensor's axis names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from absl import logging as absl_logging
+from flax import nnx
+
+from jaxmoe import checkpoint
+from jaxmoe.checkpoint import CheckpointError
+from jaxmoe.config import config_from_dict
+from jaxmoe.sharding import make_mesh
+from jaxmoe.step import build_steps
+
+_RENAME = {"embed": "embedding", "head": "lm_head", "final_norm.scale": "final_norm"}
+
+
+def named_tensors(params: nnx.State, num_dense_layers: int) -> dict[str, tuple[np.ndarray, list]]:
+    """Flat {name: (array, axis names)}; stacked layers are split one tensor per layer."""
+    out = {}
+    flat = nnx.to_flat_state(params)
+    for path, var in flat:
+        keys = [str(k) for k in path]
+        value = np.asarray(jax.device_get(var[...]))
+        axes = list(var.get_metadata().get("out_sharding") or [])
+        if keys[0] in ("dense_layers", "moe_layers"):
+            offset = 0 if keys[0] == "dense_layers" else num_dense_layers
+            for i in range(value.shape[0]):
+                out[f"layers.{offset + i}." + ".".join(keys[1:])] = (value[i], axes[1:])
+        else:
+            name = ".".join(keys)
+            out[_RENAME.get(name, name)] = (value, axes)
+    return out
+
+
+def export(checkpoint_path: str | Path, out: str | Path) -> dict[str, tuple]:
+    from safetensors.numpy import save_file
+
+    directory, step = Path(checkpoint_path), None
+    if (directory / "checkpoints").is_dir():
+        directory = directory / "checkpoints"
+    elif directory.name.isdigit():
+        directory, step = directory.parent, int(directory.name)
+    step, meta = checkpoint.read_meta(directory, step)
+    cfg = config_from_dict(meta["config"], ["mesh.data=1", "mesh.expert=1", "mesh.stage=1",
+                                            "moe.dispatcher=dense"])
+    steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
+    state, _ = checkpoint.restore(directory, steps, step)
+    # router biases steer expert selection, so they belong with the weights
+    tensors = named_tensors(nnx.merge_state(state.params, state.buffers), cfg.model.num_dense_layers)
+    metadata = {"format": "jaxmoe", "step": str(step), "config": json.dumps(meta["config"]),
+                "axes": json.dumps({k: axes for k, (_, axes) in tensors.items()})}
+    save_file({k: np.ascontiguousarray(v) for k, (v, _) in tensors.items()}, str(out), metadata)
+    return tensors
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxmoe.export", description=__doc__)
+    parser.add_argument("--checkpoint", required=True,
+                        help="a run directory, its checkpoints/ directory, or one step's directory")
+    parser.add_argument("--out", required=True, help="the .safetensors file to write")
+    args = parser.parse_args(argv)
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    try:
+        tensors = export(args.checkpoint, args.out)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    total = sum(v.size for v, _ in tensors.values())
+    print(f"wrote {len(tensors)} tensors, {total:,} parameters, to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""Checkpoints: exact resume, surviving SIGKILL mid-save, another mesh, NaN policy."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmoe import checkpoint
+from jaxmoe.config import config_from_dict
+from jaxmoe.data import load_corpus
+from jaxmoe.sharding import make_mesh
+from jaxmoe.step import build_steps
+from jaxmoe.train import TooManyBadSteps, train
+
+SMALL = {
+    "model": {"d_model": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+              "num_dense_layers": 1, "mlp_hidden": 64},
+    "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32, "expert_bias": True},
+    "train": {"steps": 8, "batch_size": 16, "seq_len": 32, "eval_every": 0, "eval_batches": 1},
+    "optimizer": {"warmup_steps": 2},
+    "checkpoint": {"every": 2, "keep": 3},
+    "logging": {"log_every": 1, "progress": False},
+}
+OVERRIDES = [f"{sec}.{k}={json.dumps(v)}" for sec, d in SMALL.items() for k, v in d.items()]
+
+
+def _cmd(run_dir, overrides):
+    cmd = [sys.executable, "-m", "jaxmoe.train", "--config",
+           str(Path(__file__).parent.parent / "configs" / "tiny.yaml")]
+    for o in overrides + [f"train.run_dir={run_dir}"]:
+        cmd += ["--set", o]
+    return cmd
+
+
+def _cli(run_dir, *args, config=None):
+    return subprocess.run(_cmd(run_dir, config or OVERRIDES) + list(args), capture_output=True,
+                          text=True, timeout=300)
+
+
+def _losses(run_dir):
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def _params(run_dir, step):
+    cfg = config_from_dict(SMALL)
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    state, _ = checkpoint.restore(checkpoint.checkpoint_dir(run_dir), steps, step)
+    return jax.device_get((state.params, state.opt_state, state.buffers))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run = tmp_path_factory.mktemp("straight")
+    result = _cli(run)
+    assert result.returncode == 0, result.stderr
+    return run
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact(straight, tmp_path):
+    first = _cli(tmp_path, "--stop-after", "4")
+    assert first.returncode == 0 and "stopped after 4 steps" in first.stdout, first.stderr
+    assert checkpoint.complete_steps(checkpoint.checkpoint_dir(tmp_path)) == [2, 4]
+    second = _cli(tmp_path, "--resume")
+    assert second.returncode == 0, second.stderr
+    assert _losses(tmp_path) == _losses(straight)  # every step, exactly
+    a, b = _params(tmp_path, 8), _params(straight, 8)
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    # the comparison has teeth: step 8 differs from step 6
+    assert any(not np.array_equal(x, y) for x, y in
+               zip(jax.tree.leaves(a), jax.tree.leaves(_params(straight, 6))))
+
+
+@pytest.mark.slow
+def test_sigkill_mid_save_resumes_from_last_complete(straight, tmp_path):
+    big = OVERRIDES + ["model.d_model=256", "moe.expert_hidden=512", "train.steps=40",
+                       "checkpoint.every=1"]
+    cmd = _cmd(tmp_path, big)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = checkpoint.checkpoint_dir(tmp_path)
+    deadline, killed_during_save = time.time() + 240, False
+    while time.time() < deadline and proc.poll() is None:
+        done = checkpoint.complete_steps(ckpts)
+        partial = [p for p in ckpts.iterdir() if "tmp" in p.name] if ckpts.is_dir() else []
+        if len(done) >= 3 and partial:
+            os.kill(proc.pid, signal.SIGKILL)
+            killed_during_save = True
+            break
+        time.sleep(0.002)
+    proc.wait()
+    assert killed_during_save, "never caught a save in progress"
+    done = checkpoint.complete_steps(ckpts)
+    last = done[-1]
+    # resume with the uninterrupted run's settings (as the big run, 40 steps)
+    reference = tmp_path.parent / (tmp_path.name + "_ref")
+    ref = subprocess.run(_cmd(reference, big), capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from step {last}" in resumed.stdout
+    got, want = _losses(tmp_path), _losses(reference)
+    assert [got[s] for s in range(last + 1, 41)] == [want[s] for s in range(last + 1, 41)]
+
+
+def _state_values(state):
+    return jax.device_get((state.params, state.opt_state, state.buffers, state.step))
+
+
+def test_restore_into_another_mesh(tmp_path):
+    cfg8 = config_from_dict({**SMALL, "mesh": {"data": 8},
+                             "moe": {**SMALL["moe"], "dispatcher": "grouped"}})
+    steps8 = build_steps(cfg8, make_mesh(cfg8.mesh))
+    state = steps8.init(jax.random.PRNGKey(0))
+    batch = np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)
+    state, _ = steps8.train_step(state, jax.device_put(batch, steps8.batch_sharding))
+    manager = checkpoint.checkpoint_manager(tmp_path, cfg8)
+    checkpoint.save(manager, state, {"step": 1}, cfg8)
+    manager.wait_until_finished()
+    saved = _state_values(state)
+    for data, expert in [(2, 4), (4, 2)]:
+        cfg = config_from_dict({**SMALL, "mesh": {"data": data, "expert": expert},
+                                "moe": {**SMALL["moe"], "dispatcher": "alltoall"}})
+        steps = build_steps(cfg, make_mesh(cfg.mesh))
+        restored, data_state = checkpoint.restore(checkpoint.checkpoint_dir(tmp_path), steps)
+        jax.tree.map(np.testing.assert_array_equal, _state_values(restored), saved)
+        w = restored.params["moe_layers"]["moe"]["experts"]["w_gate_up"][...]
+        assert w.sharding.spec[1] == "expert"  # laid out for the new mesh
+        restored, metrics = steps.train_step(restored, jax.device_put(batch, steps.batch_sharding))
+        assert np.isfinite(float(metrics["loss"])) and int(restored.step) == 2
+
+
+def test_nan_steps_are_skipped_then_stop(tmp_path):
+    corpus = load_corpus("stdlib", None, 256, 32)
+    bad = {3}
+
+    def one_nan(loss, step):
+        return jnp.where(jnp.isin(step, jnp.array(sorted(bad))), jnp.nan, loss)
+
+    cfg = config_from_dict({**SMALL, "train": {**SMALL["train"], "run_dir": str(tmp_path / "a")}})
+    train(cfg, corpus, loss_hook=one_nan)  # one bad step: skipped, counted, run goes on
+    lines = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r for r in lines if "loss" in r}
+    assert [by_step[s]["skipped"] for s in range(1, 9)] == [0, 0, 0, 1, 0, 0, 0, 0]
+    assert by_step[4]["bad_steps"] == 1 and by_step[5]["bad_steps"] == 0
+
+    bad.update(range(3, 100))  # from state.step 3 on, every step is bad
+    cfg = config_from_dict({**SMALL, "train": {**SMALL["train"], "run_dir": str(tmp_path / "b"),
+                                                "max_bad_steps": 3}})
+    with pytest.raises(TooManyBadSteps, match="3 consecutive steps up to 6"):
+        train(cfg, corpus, loss_hook=one_nan)
+    ckpts = checkpoint.checkpoint_dir(tmp_path / "b")
+    assert checkpoint.complete_steps(ckpts) == [2, 4]  # nothing saved once the run failed
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    at2, at4 = (checkpoint.restore(ckpts, steps, s)[0] for s in (2, 4))
+    assert int(at4.bad_steps) == 1  # step 4 was skipped: its parameters are step 3's
+    assert not np.array_equal(at2.params["embed"][...], at4.params["embed"][...])
+
+
+def _snapshot(directory):
+    return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in Path(directory).rglob("*"))
+
+
+@pytest.mark.slow
+def test_bad_resume_inputs_leave_directory_untouched(straight, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    before = _snapshot(run)
+    shape = _cli(run, "--resume", config=OVERRIDES + ["model.d_model=64"])
+    assert shape.returncode == 2 and "model.d_model: checkpoint 32, config 64" in shape.stderr
+    missing = _cli(tmp_path / "empty", "--resume")
+    assert missing.returncode == 2 and "no complete checkpoint" in missing.stderr
+    assert not (tmp_path / "empty").exists()
+    meta = run / "checkpoints" / "8" / "meta" / "metadata"
+    original = meta.read_text()
+    meta.write_text(original.replace('"format_version": 1', '"format_version": 99'))
+    newer = _cli(run, "--resume")
+    assert newer.returncode == 2 and "format version 99" in newer.stderr
+    meta.write_text("{not json")
+    corrupt = _cli(run, "--resume")
+    assert corrupt.returncode == 2 and "corrupt" in corrupt.stderr
+    meta.write_text(original)
+    for f in (run / "checkpoints" / "8" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 1000:
+            f.write_bytes(b"\0" * 64)
+    damaged = _cli(run, "--resume")
+    assert damaged.returncode == 2 and "corrupt or unreadable" in damaged.stderr, damaged.stderr
+    for errs in (shape, missing, newer, corrupt, damaged):
+        assert len(errs.stderr.strip().splitlines()) == 1, errs.stderr
+    after = _snapshot(run)
+    changed = {a[0] for a in after} ^ {b[0] for b in before}
+    assert not changed
+    untouched = [a for a, b in zip(after, before) if "checkpoints/8" not in a[0]]
+    assert untouched == [b for b in before if "checkpoints/8" not in b[0]]
+
+
+def test_export_safetensors(straight, tmp_path):
+    from safetensors.numpy import load_file
+    out = tmp_path / "model.safetensors"
+    result = subprocess.run([sys.executable, "-m", "jaxmoe.export", "--checkpoint", str(straight),
+                             "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    tensors = load_file(out)
+    params, _, buffers = _params(straight, 8)
+    embed = np.asarray(params["embed"][...])
+    np.testing.assert_array_equal(tensors["embedding"], embed)
+    w = np.asarray(params["moe_layers"]["moe"]["experts"]["w_gate_up"][...])
+    np.testing.assert_array_equal(tensors["layers.1.moe.experts.w_gate_up"], w[0])
+    assert tensors["layers.0.mlp.w_gate_up"].shape == (32, 128)
+    bias = np.asarray(buffers["moe_layers"]["moe"]["router"]["bias"][...])
+    np.testing.assert_array_equal(tensors["layers.1.moe.router.bias"], bias[0])
+    from jaxmoe.config import param_counts
+    n = sum(v.size for k, v in tensors.items() if not k.endswith("router.bias"))
+    assert n == param_counts(config_from_dict(SMALL)).total
+    missing = subprocess.run([sys.executable, "-m", "jaxmoe.export", "--checkpoint",
+                              str(tmp_path / "nothing"), "--out", str(tmp_path / "x.st")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no complete checkpoint" in missing.stderr
+    assert not (tmp_path / "x.st").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_stops(tmp_path):
+    cmd = _cmd(tmp_path, OVERRIDES + ["train.steps=400", "checkpoint.every=1000"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(_losses(tmp_path)) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "stopped on SIGTERM" in out
+    steps = checkpoint.complete_steps(checkpoint.checkpoint_dir(tmp_path))
+    assert len(steps) == 1 and 3 <= steps[0] < 400
