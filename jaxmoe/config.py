@@ -73,6 +73,12 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    microbatches: int = 1  # micro-batches flowing through the stages (per accumulation step)
+    schedule: Literal["gpipe"] = "gpipe"
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
     learning_rate: float = 3e-3
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
@@ -126,6 +132,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -154,7 +161,7 @@ def _require(ok: bool, key: str, msg: str) -> None:
 def validate(c: Config) -> None:
     """Cross-field checks; each names the key at fault."""
     m, moe, t, o = c.model, c.moe, c.train, c.optimizer
-    for sec_name in ("model", "moe", "train", "optimizer", "checkpoint", "logging"):
+    for sec_name in ("model", "moe", "train", "optimizer", "checkpoint", "logging", "pipeline"):
         sec = getattr(c, sec_name)
         for f in dataclasses.fields(sec):
             v = getattr(sec, f.name)
@@ -186,6 +193,12 @@ def validate(c: Config) -> None:
     if c.num_moe_layers and c.mesh.expert > 0:
         _require(moe.num_experts % c.mesh.expert == 0, "moe.num_experts",
                  f"{moe.num_experts} experts cannot be split over mesh.expert={c.mesh.expert}")
+    if c.mesh.stage > 1:
+        _require(c.num_moe_layers % c.mesh.stage == 0, "mesh.stage",
+                 f"{c.num_moe_layers} MoE layers cannot be split into {c.mesh.stage} equal stages")
+    P = c.pipeline.microbatches
+    _require(P > 0 and (t.batch_size // max(t.microbatches, 1)) % P == 0, "pipeline.microbatches",
+             f"{P} does not divide the per-step batch of {t.batch_size // max(t.microbatches, 1)}")
     _require(t.steps > 0, "train.steps", "must be positive")
     _require(t.batch_size > 0 and t.seq_len > 0, "train.batch_size",
              "batch_size and seq_len must be positive")

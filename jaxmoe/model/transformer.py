@@ -19,6 +19,7 @@ from jaxmoe.sharding import constrain_batch
 from jaxmoe.model.attention import Attention
 from jaxmoe.model.layers import MLP, RMSNorm, param
 from jaxmoe.model.moe import MoE
+from jaxmoe.parallel.pipeline import pipeline
 
 REMAT_POLICIES = {
     "full": None,  # recompute the whole layer in the backward pass
@@ -51,8 +52,12 @@ class Block(nnx.Module):
 
 
 def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs) -> Block:
+    # MoE layers are what pipeline stages split ("layers" -> stage); the few dense
+    # layers in front run replicated, like the embedding.
+    axis = "layers" if use_moe else "dense_layers"
+
     @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(rngs):
         return Block(cfg, use_moe, rngs)
 
@@ -62,6 +67,11 @@ def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs) -> Block:
 def run_stack(stack: Block, x_BxLxD, positions_BxL, mesh, key, remat: str):
     """Scans the stacked blocks over x; returns x and the per-layer aux, stacked."""
     graphdef, state = nnx.split(stack)
+    return scan_layers(graphdef, state, x_BxLxD, positions_BxL, mesh, key, remat)
+
+
+def scan_layers(graphdef, state, x_BxLxD, positions_BxL, mesh, key, remat: str):
+    """lax.scan of one block over stacked layer states (leading axis = layers)."""
     n = jax.tree.leaves(state)[0].shape[0]
     keys = None if key is None else jax.random.split(key, n)
 
@@ -101,7 +111,10 @@ class Transformer(nnx.Module):
         aux = {}
         if m.num_dense_layers:
             x, _ = run_stack(self.dense_layers, x, positions_BxL, mesh, None, remat)
-        if self.cfg.num_moe_layers:
+        if self.cfg.num_moe_layers and mesh is not None and mesh.shape["stage"] > 1:
+            x, aux = pipeline(self.moe_layers, x, positions_BxL, mesh, key, remat,
+                              self.cfg.pipeline.microbatches)
+        elif self.cfg.num_moe_layers:
             x, aux = run_stack(self.moe_layers, x, positions_BxL, mesh, key, remat)
         x = self.final_norm(x)
         logits = constrain_batch(jnp.einsum("bld,dv->blv", x, self.head[...].astype(x.dtype)), mesh)
