@@ -8,6 +8,8 @@ arguments; it returns a dict of numbers, which `--json` writes to a file.
             dense SwiGLU MLP of the same active FLOPs.
   parallel  a whole train step under ddp + expert parallelism against fsdp, on
             8 devices: step time and bytes per collective kind, in one run.
+  pipeline  a whole train step with 1, 2 and 4 pipeline stages on 8 devices,
+            beside the bubble fraction the GPipe schedule predicts.
 
 Cases are timed round-robin, so machine noise hits every case alike, and the
 median of the repeats is reported.
@@ -180,32 +182,39 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5)
 
 
-@subcommand("parallel", _parallel_args,
-            "ddp+EP vs fsdp: train-step time and collective bytes per step on 8 devices")
-def bench_parallel(a: argparse.Namespace) -> dict:
+def _train_step_case(config: str, overrides: list[str]):
+    """(thunk running one train step on 8 devices, its compiled program)."""
     from jaxmoe.config import load_config
-    from jaxmoe.parallel.collectives import compiled_collective_bytes
     from jaxmoe.sharding import make_mesh
     from jaxmoe.step import build_steps
 
     if jax.device_count() < 8:
-        raise SystemExit("bench parallel needs 8 devices; on CPU run it with "
+        raise SystemExit("this benchmark needs 8 devices; on CPU run it with "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    cfg = load_config(config, overrides)
+    steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
+    state = [steps.init(jax.random.PRNGKey(0))]
+    tokens = jax.random.randint(jax.random.PRNGKey(1),
+                                (cfg.train.batch_size, cfg.train.seq_len + 1), 0, 256)
+    batch = jax.device_put(tokens, steps.batch_sharding)
+    compiled = steps.train_step.lower(state[0], batch).compile()
+
+    def run():
+        state[0], metrics = steps.train_step(state[0], batch)
+        return metrics
+
+    return run, compiled
+
+
+@subcommand("parallel", _parallel_args,
+            "ddp+EP vs fsdp: train-step time and collective bytes per step on 8 devices")
+def bench_parallel(a: argparse.Namespace) -> dict:
+    from jaxmoe.parallel.collectives import compiled_collective_bytes
+
     runs, moved = {}, {}
     for name, overrides in PARALLEL_CASES.items():
-        cfg = load_config(a.config, overrides)
-        steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
-        state = [steps.init(jax.random.PRNGKey(0))]
-        tokens = jax.random.randint(jax.random.PRNGKey(1),
-                                    (cfg.train.batch_size, cfg.train.seq_len + 1), 0, 256)
-        batch = jax.device_put(tokens, steps.batch_sharding)
-        moved[name] = compiled_collective_bytes(steps.train_step.lower(state[0], batch).compile())
-
-        def run(steps=steps, state=state, batch=batch):
-            state[0], metrics = steps.train_step(state[0], batch)
-            return metrics
-
-        runs[name] = run
+        runs[name], compiled = _train_step_case(a.config, overrides)
+        moved[name] = compiled_collective_bytes(compiled)
     secs = time_round_robin(runs, a.repeats)
     first = next(iter(secs))
     result = {"config": a.config, "cases": {
@@ -216,6 +225,37 @@ def bench_parallel(a: argparse.Namespace) -> dict:
     rows = [("case", "step s", "/first", "total MB") + tuple(k + " MB" for k in kinds)]
     rows += [(n, f"{c['step_s']:.3f}", f"{c['vs_' + first]:.2f}", f"{c['collective_total'] / 1e6:.2f}")
              + tuple(f"{c['collective_bytes'][k] / 1e6:.2f}" for k in kinds)
+             for n, c in result["cases"].items()]
+    print_table(rows)
+    return result
+
+
+# ---------------------------------------------------------------- pipeline
+
+
+def _pipeline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="configs/cpu8_ep.yaml")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=5)
+
+
+@subcommand("pipeline", _pipeline_args,
+            "train-step time with 1, 2 and 4 pipeline stages on 8 devices, and the bubble")
+def bench_pipeline(a: argparse.Namespace) -> dict:
+    from jaxmoe.parallel.pipeline import bubble_fraction
+
+    M = a.microbatches
+    cases = {f"S={S}": [f"mesh.stage={S}", f"mesh.data={8 // S}", "mesh.expert=1",
+                        "moe.dispatcher=grouped", "model.num_layers=5", "model.num_dense_layers=1",
+                        f"pipeline.microbatches={M if S > 1 else 1}"] for S in (1, 2, 4)}
+    runs = {name: _train_step_case(a.config, overrides)[0] for name, overrides in cases.items()}
+    secs = time_round_robin(runs, a.repeats)
+    result = {"config": a.config, "microbatches": M, "cases": {
+        name: {"step_s": secs[name], "vs_S1": secs[name] / secs["S=1"],
+               "bubble_predicted": bubble_fraction(int(name[2:]), M if name != "S=1" else 1)}
+        for name in runs}}
+    rows = [("stages", "step s", "/S=1", "bubble (S-1)/(M+S-1)")]
+    rows += [(n, f"{c['step_s']:.3f}", f"{c['vs_S1']:.2f}", f"{c['bubble_predicted']:.3f}")
              for n, c in result["cases"].items()]
     print_table(rows)
     return result
