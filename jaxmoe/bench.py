@@ -9,7 +9,7 @@ arguments; it returns a dict of numbers, which `--json` writes to a file.
   parallel  a whole train step under ddp + expert parallelism against fsdp, on
             8 devices: step time and bytes per collective kind, in one run.
   pipeline  a whole train step with 1, 2 and 4 pipeline stages on 8 devices,
-            beside the bubble fraction the GPipe schedule predicts.
+            GPipe and circular (2 virtual stages), beside the predicted bubble.
 
 Cases are timed round-robin, so machine noise hits every case alike, and the
 median of the repeats is reported.
@@ -240,21 +240,26 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
 
 
 @subcommand("pipeline", _pipeline_args,
-            "train-step time with 1, 2 and 4 pipeline stages on 8 devices, and the bubble")
+            "train-step time with 1, 2 and 4 pipeline stages (GPipe and circular) on 8 devices")
 def bench_pipeline(a: argparse.Namespace) -> dict:
     from jaxmoe.parallel.pipeline import bubble_fraction
 
     M = a.microbatches
-    cases = {f"S={S}": [f"mesh.stage={S}", f"mesh.data={8 // S}", "mesh.expert=1",
-                        "moe.dispatcher=grouped", "model.num_layers=5", "model.num_dense_layers=1",
-                        f"pipeline.microbatches={M if S > 1 else 1}"] for S in (1, 2, 4)}
+    layout = {"S=1": (1, 1), "S=2": (2, 1), "S=4": (4, 1), "S=2 V=2": (2, 2), "S=4 V=2": (4, 2)}
+    common = ["mesh.expert=1", "moe.dispatcher=grouped", "model.num_layers=9",
+              "model.num_dense_layers=1"]
+    cases = {name: common + [f"mesh.stage={S}", f"mesh.data={8 // S}",
+                             f"pipeline.microbatches={M if S > 1 else 1}",
+                             f"pipeline.schedule={'circular' if V > 1 else 'gpipe'}",
+                             f"pipeline.virtual_stages={V}"]
+             for name, (S, V) in layout.items()}
     runs = {name: _train_step_case(a.config, overrides)[0] for name, overrides in cases.items()}
     secs = time_round_robin(runs, a.repeats)
     result = {"config": a.config, "microbatches": M, "cases": {
         name: {"step_s": secs[name], "vs_S1": secs[name] / secs["S=1"],
-               "bubble_predicted": bubble_fraction(int(name[2:]), M if name != "S=1" else 1)}
-        for name in runs}}
-    rows = [("stages", "step s", "/S=1", "bubble (S-1)/(M+S-1)")]
+               "bubble_predicted": bubble_fraction(S, M if S > 1 else 1, V)}
+        for name, (S, V) in layout.items()}}
+    rows = [("stages", "step s", "/S=1", "bubble (S-1)/(VM+S-1)")]
     rows += [(n, f"{c['step_s']:.3f}", f"{c['vs_S1']:.2f}", f"{c['bubble_predicted']:.3f}")
              for n, c in result["cases"].items()]
     print_table(rows)

@@ -84,6 +84,12 @@ def check_compatible(saved: dict, cfg: Config, where: Path) -> None:
     diffs = [f"{sec}.{key}: checkpoint {saved[sec].get(key)!r}, config {current[sec][key]!r}"
              for sec, keys in SHAPE_KEYS.items() for key in keys
              if saved.get(sec, {}).get(key) != current[sec][key]]
+    # circular pipelines store MoE layers device-major: the layout must match too
+    layout = lambda c: (c["mesh"]["stage"], c["pipeline"]["virtual_stages"])  # noqa: E731
+    saved_v = saved.get("pipeline", {}).get("virtual_stages", 1)
+    if (saved_v > 1 or cfg.pipeline.virtual_stages > 1) and layout(saved) != layout(current):
+        diffs.append(f"(mesh.stage, pipeline.virtual_stages): checkpoint {layout(saved)}, "
+                     f"config {layout(current)} (circular pipelines store layers by stage)")
     if diffs:
         raise CheckpointError(f"checkpoint {where} was made for another model shape: "
                               + "; ".join(diffs))
@@ -96,16 +102,18 @@ def abstract_target(steps: Steps) -> TrainState:
                         shapes, steps.state_shardings)
 
 
-def restore(directory: str | Path, steps: Steps, step: int | None = None
-            ) -> tuple[TrainState, dict]:
+def restore(directory: str | Path, steps: Steps, step: int | None = None,
+            check: bool = True) -> tuple[TrainState, dict]:
     """Restores the latest (or given) checkpoint into `steps`' mesh and shardings.
 
     Returns the state and the data iterator's state. The checkpoint may come
     from another mesh: orbax reads each device's slice for the new shardings.
+    `check=False` skips the config comparison (for readers that only need arrays).
     """
     directory = Path(directory)
     step, meta = read_meta(directory, step)
-    check_compatible(meta["config"], steps.cfg, directory / str(step))
+    if check:
+        check_compatible(meta["config"], steps.cfg, directory / str(step))
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
         read_only=True, create=False))
     try:

@@ -75,7 +75,8 @@ class MeshConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     microbatches: int = 1  # micro-batches flowing through the stages (per accumulation step)
-    schedule: Literal["gpipe"] = "gpipe"
+    schedule: Literal["gpipe", "circular"] = "gpipe"
+    virtual_stages: int = 1  # circular: chunks of layers per device, visited round-robin
 
 
 @dataclass(frozen=True)
@@ -193,10 +194,19 @@ def validate(c: Config) -> None:
     if c.num_moe_layers and c.mesh.expert > 0:
         _require(moe.num_experts % c.mesh.expert == 0, "moe.num_experts",
                  f"{moe.num_experts} experts cannot be split over mesh.expert={c.mesh.expert}")
+    P, V = c.pipeline.microbatches, c.pipeline.virtual_stages
+    if c.pipeline.schedule == "gpipe":
+        _require(V == 1, "pipeline.virtual_stages", "gpipe has one stage per device; use "
+                 "schedule: circular for virtual stages")
+    else:
+        _require(V >= 2, "pipeline.virtual_stages", "circular needs at least 2")
+        _require(c.mesh.stage > 1, "mesh.stage", "circular needs an explicit stage count above 1")
+        _require(P >= c.mesh.stage, "pipeline.microbatches",
+                 f"circular needs at least as many microbatches as stages ({c.mesh.stage})")
     if c.mesh.stage > 1:
-        _require(c.num_moe_layers % c.mesh.stage == 0, "mesh.stage",
-                 f"{c.num_moe_layers} MoE layers cannot be split into {c.mesh.stage} equal stages")
-    P = c.pipeline.microbatches
+        _require(c.num_moe_layers % (c.mesh.stage * V) == 0, "mesh.stage",
+                 f"{c.num_moe_layers} MoE layers cannot be split into {c.mesh.stage} stages "
+                 f"x {V} virtual stages of equal size")
     _require(P > 0 and (t.batch_size // max(t.microbatches, 1)) % P == 0, "pipeline.microbatches",
              f"{P} does not divide the per-step batch of {t.batch_size // max(t.microbatches, 1)}")
     _require(t.steps > 0, "train.steps", "must be positive")

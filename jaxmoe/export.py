@@ -21,15 +21,20 @@ from flax import nnx
 
 from jaxmoe import checkpoint
 from jaxmoe.checkpoint import CheckpointError
-from jaxmoe.config import config_from_dict
+from jaxmoe.config import Config, config_from_dict
+from jaxmoe.parallel.pipeline import layer_order
 from jaxmoe.sharding import make_mesh
 from jaxmoe.step import build_steps
 
 _RENAME = {"embed": "embedding", "head": "lm_head", "final_norm.scale": "final_norm"}
 
 
-def named_tensors(params: nnx.State, num_dense_layers: int) -> dict[str, tuple[np.ndarray, list]]:
-    """Flat {name: (array, axis names)}; stacked layers are split one tensor per layer."""
+def named_tensors(params: nnx.State, cfg: Config) -> dict[str, tuple[np.ndarray, list]]:
+    """Flat {name: (array, axis names)}; stacked layers are split one tensor per layer,
+    numbered in model order."""
+    num_dense = cfg.model.num_dense_layers
+    moe_order = layer_order(cfg.num_moe_layers, max(cfg.mesh.stage, 1),
+                            cfg.pipeline.virtual_stages)
     out = {}
     flat = nnx.to_flat_state(params)
     for path, var in flat:
@@ -37,9 +42,9 @@ def named_tensors(params: nnx.State, num_dense_layers: int) -> dict[str, tuple[n
         value = np.asarray(jax.device_get(var[...]))
         axes = list(var.get_metadata().get("out_sharding") or [])
         if keys[0] in ("dense_layers", "moe_layers"):
-            offset = 0 if keys[0] == "dense_layers" else num_dense_layers
             for i in range(value.shape[0]):
-                out[f"layers.{offset + i}." + ".".join(keys[1:])] = (value[i], axes[1:])
+                layer = i if keys[0] == "dense_layers" else num_dense + int(moe_order[i])
+                out[f"layers.{layer}." + ".".join(keys[1:])] = (value[i], axes[1:])
         else:
             name = ".".join(keys)
             out[_RENAME.get(name, name)] = (value, axes)
@@ -55,12 +60,15 @@ def export(checkpoint_path: str | Path, out: str | Path) -> dict[str, tuple]:
     elif directory.name.isdigit():
         directory, step = directory.parent, int(directory.name)
     step, meta = checkpoint.read_meta(directory, step)
-    cfg = config_from_dict(meta["config"], ["mesh.data=1", "mesh.expert=1", "mesh.stage=1",
-                                            "moe.dispatcher=dense"])
-    steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
-    state, _ = checkpoint.restore(directory, steps, step)
+    cfg = config_from_dict(meta["config"])
+    # same array shapes on one device (layer order is undone by named_tensors)
+    one_device = config_from_dict(meta["config"], [
+        "mesh.data=1", "mesh.expert=1", "mesh.stage=1", "moe.dispatcher=dense",
+        "pipeline.schedule=gpipe", "pipeline.virtual_stages=1", "pipeline.microbatches=1"])
+    steps = build_steps(one_device, make_mesh(one_device.mesh, jax.devices()[:1]))
+    state, _ = checkpoint.restore(directory, steps, step, check=False)
     # router biases steer expert selection, so they belong with the weights
-    tensors = named_tensors(nnx.merge_state(state.params, state.buffers), cfg.model.num_dense_layers)
+    tensors = named_tensors(nnx.merge_state(state.params, state.buffers), cfg)
     metadata = {"format": "jaxmoe", "step": str(step), "config": json.dumps(meta["config"]),
                 "axes": json.dumps({k: axes for k, (_, axes) in tensors.items()})}
     save_file({k: np.ascontiguousarray(v) for k, (v, _) in tensors.items()}, str(out), metadata)

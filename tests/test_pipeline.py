@@ -100,3 +100,55 @@ def test_pipeline_config_errors():
 def test_bubble_fraction():
     assert bubble_fraction(1, 8) == 0.0
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+
+
+@pytest.mark.parametrize("stages, virtual, dispatcher", [(2, 2, "dense"), (4, 2, "grouped")])
+def test_circular_equals_sequential(stages, virtual, dispatcher):
+    from jaxmoe.parallel.pipeline import layer_order
+    raw = {**BASE, "model": {**BASE["model"], "num_layers": 9},  # 8 MoE layers
+           "moe": {**BASE["moe"], "dispatcher": dispatcher},
+           "mesh": {"data": 8 // stages, "stage": stages},
+           "pipeline": {"microbatches": 4, "schedule": "circular", "virtual_stages": virtual}}
+    cfg = config_from_dict(raw)
+    mesh = make_mesh(cfg.mesh)
+    steps = build_steps(cfg, mesh)
+    state = steps.init(jax.random.PRNGKey(0))
+    tokens = jax.device_put(TOKENS, steps.batch_sharding)
+    w = state.params["moe_layers"]["moe"]["experts"]["w_gate_up"][...]
+    assert per_device_shapes(w) == {(8 // stages,) + w.shape[1:]}  # own chunks only
+
+    def loss(graphdef, params, buffers, mesh):
+        logits, aux = nnx.merge(graphdef, params, buffers)(tokens[:, :-1], mesh=mesh)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return ce + 0.01 * jnp.mean(aux["balance_loss"]), aux
+
+    grad = lambda g, m: jax.jit(jax.value_and_grad(  # noqa: E731
+        lambda p, b: loss(g, p, b, m), has_aux=True))
+    (value, aux), grads = grad(steps.graphdef, mesh)(state.params, state.buffers)
+    # the same weights in model order, through the plain sequential scan
+    seq_cfg = config_from_dict({**raw, "mesh": {"data": 1}, "pipeline": {}})
+    seq = build_steps(seq_cfg, make_mesh(seq_cfg.mesh, jax.devices()[:1]))
+    order = np.argsort(layer_order(8, stages, virtual))
+    to_model = lambda tree: jax.tree.map(  # noqa: E731
+        lambda a: np.asarray(a)[order] if a.shape[:1] == (8,) else np.asarray(a),
+        jax.device_get(tree))
+    moe_only = lambda tree: tree["moe_layers"]  # noqa: E731
+    seq_params = jax.device_get(state.params)
+    seq_params["moe_layers"] = to_model(moe_only(seq_params))
+    seq_buffers = jax.device_get(state.buffers)
+    (ref_value, ref_aux), ref_grads = grad(seq.graphdef, None)(seq_params, seq_buffers)
+    assert float(value) == pytest.approx(float(ref_value), rel=1e-5)
+    got = jax.device_get(grads)
+    got["moe_layers"] = to_model(moe_only(got))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6),
+                 got, jax.device_get(ref_grads))
+    np.testing.assert_array_equal(aux["counts_E"], ref_aux["counts_E"])  # model layer order
+    # teeth: the stored order really differs from model order
+    assert not np.array_equal(order, np.arange(8))
+
+
+def test_layer_order_is_device_major():
+    from jaxmoe.parallel.pipeline import layer_order
+    assert list(layer_order(8, 2, 2)) == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert list(layer_order(4, 2, 1)) == [0, 1, 2, 3]
+    assert bubble_fraction(4, 4, 2) == pytest.approx(3 / 11)

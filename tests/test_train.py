@@ -74,7 +74,7 @@ def test_main_rejects_bad_override(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny", "cpu8_ep"])
+@pytest.mark.parametrize("name", ["tiny", "cpu8_ep", "cpu8_pipeline"])
 def test_shipped_config_trains(tmp_path, name):
     from pathlib import Path
     from jaxmoe.config import load_config

@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -19,7 +20,7 @@ from jaxmoe.sharding import constrain_batch
 from jaxmoe.model.attention import Attention
 from jaxmoe.model.layers import MLP, RMSNorm, param
 from jaxmoe.model.moe import MoE
-from jaxmoe.parallel.pipeline import pipeline
+from jaxmoe.parallel.pipeline import layer_order, pipeline
 
 REMAT_POLICIES = {
     "full": None,  # recompute the whole layer in the backward pass
@@ -111,11 +112,17 @@ class Transformer(nnx.Module):
         aux = {}
         if m.num_dense_layers:
             x, _ = run_stack(self.dense_layers, x, positions_BxL, mesh, None, remat)
+        pipe = self.cfg.pipeline
         if self.cfg.num_moe_layers and mesh is not None and mesh.shape["stage"] > 1:
             x, aux = pipeline(self.moe_layers, x, positions_BxL, mesh, key, remat,
-                              self.cfg.pipeline.microbatches)
+                              pipe.microbatches, pipe.virtual_stages)
         elif self.cfg.num_moe_layers:
-            x, aux = run_stack(self.moe_layers, x, positions_BxL, mesh, key, remat)
+            graphdef, state = nnx.split(self.moe_layers)
+            if pipe.virtual_stages > 1:  # stored device-major: scan in model order
+                stored = np.argsort(layer_order(self.cfg.num_moe_layers, self.cfg.mesh.stage,
+                                                pipe.virtual_stages))
+                state = jax.tree.map(lambda a: a[stored], state)
+            x, aux = scan_layers(graphdef, state, x, positions_BxL, mesh, key, remat)
         x = self.final_norm(x)
         logits = constrain_batch(jnp.einsum("bld,dv->blv", x, self.head[...].astype(x.dtype)), mesh)
         return logits.astype(jnp.float32), aux
