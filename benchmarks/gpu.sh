@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# GPU checks, for a machine with JAX (CUDA) installed and nothing else fetched.
+# Run from the repository root: bash benchmarks/gpu.sh [OUT_DIR]
+# Writes OUT_DIR/gpu_results.txt (default: ./gpu_out).
+set -euo pipefail
+out="${1:-gpu_out}"
+mkdir -p "$out"
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null \
+  || export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+export PYTHONUNBUFFERED=1
+{
+  echo "== $(date -u) $(python3 -c 'import jax; print(jax.__version__, jax.devices())')"
+  # 1. the ragged dispatcher (ragged_all_to_all + ragged_dot) against the dense reference
+  python3 - <<'PY'
+import jax, jax.numpy as jnp, numpy as np
+from jaxmoe.config import MeshConfig, MoEConfig
+from jaxmoe.model.dispatch import dense_dispatch, get_dispatcher
+from jaxmoe.model.experts import ExpertWeights
+from jaxmoe.model.router import route
+from jaxmoe.sharding import make_mesh
+
+n = jax.device_count()
+mesh = make_mesh(MeshConfig(data=1, expert=n))
+T, D, F, E, K = 512 * n, 64, 128, 8 * n, 2
+ks = jax.random.split(jax.random.key(0), 4)
+x = jax.random.normal(ks[0], (T, D)); logits = jax.random.normal(ks[1], (T, E))
+w = ExpertWeights(0.2 * jax.random.normal(ks[2], (E, D, 2 * F)), 0.2 * jax.random.normal(ks[3], (E, F, D)))
+for name in ("ragged", "alltoall", "allgather"):
+    cfg = MoEConfig(num_experts=E, top_k=K, capacity_factor=float(E), dispatcher=name)
+    f = lambda x, w, d: jnp.sum(jnp.sin(d(x, route(logits, cfg), w, cfg, mesh).y_TxD))
+    got = jax.jit(jax.value_and_grad(lambda x, w: f(x, w, get_dispatcher(name)), (0, 1)))(x, w)
+    ref = jax.jit(jax.value_and_grad(lambda x, w: f(x, w, lambda *a: dense_dispatch(*a[:4])), (0, 1)))(x, w)
+    err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
+    print(f"{name:9s} vs dense on {n} device(s): max abs diff {err:.2e}")
+PY
+  # 2. the MoE block vs dense MLP at the reference shape (fp32 on GPU)
+  python3 -m jaxmoe.bench moe --repeats 10 --json "$out/bench_moe.json"
+} 2>&1 | tee "$out/gpu_results.txt"
