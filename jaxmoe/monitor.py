@@ -40,15 +40,16 @@ class Monitor:
             text["load"] = (f"L{worst} max/mean {record['load_max_over_mean'][worst]:.2f} "
                             f"dead {int(max(record['dead_experts']))} "
                             f"drop {max(record['drop_fraction']):.1%}")
-            self._watch_balance(record["balance_loss"], record["load_max_over_mean"][worst])
+            self._watch_balance(record["step"], record["balance_loss"],
+                                record["load_max_over_mean"][worst])
         self.bar.set_postfix(text, refresh=False)
         self.bar.update(steps)
 
-    def _watch_balance(self, balance_loss: float, worst_load: float) -> None:
+    def _watch_balance(self, step: int, balance_loss: float, worst_load: float) -> None:
         self.balance_history.append((balance_loss, worst_load))
         warning = gerrymandering(self.balance_history)
         if warning and not self.flagged:
-            self.write(f"warning at step {self.bar.n}: {warning}")
+            self.write(f"warning at step {step}: {warning}")
         self.flagged = warning is not None
 
     def write(self, line: str) -> None:
