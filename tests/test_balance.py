@@ -11,7 +11,7 @@ from jaxmoe import checkpoint
 from jaxmoe.config import MoEConfig, MeshConfig, config_from_dict
 from jaxmoe.load_metrics import gerrymandering, load_metrics
 from jaxmoe.model.moe import MoE
-from jaxmoe.model.router import Routing, balance_loss, route
+from jaxmoe.model.router import balance_loss, route
 from jaxmoe.sharding import make_mesh
 from jaxmoe.step import build_steps, update_expert_bias
 

@@ -81,3 +81,12 @@ def test_param_counts_match_model(raw):
     assert counts.active == total - experts * (E - K) // E
     if cfg.num_moe_layers:
         assert counts.active < counts.total
+
+
+@pytest.mark.parametrize("experts, total", [(8, 4.6e9), (64, 24.3e9), (128, 47e9)])
+def test_reference_family_parameter_counts(experts, total):
+    from pathlib import Path
+    cfg = load_config(Path(__file__).parent.parent / "configs" / f"olmoe_8layer_e{experts}.yaml")
+    counts = param_counts(cfg)
+    assert counts.total == pytest.approx(total, rel=0.02)
+    assert counts.active == pytest.approx(3.2e9, rel=0.02)  # the same for every expert count

@@ -1,6 +1,5 @@
 """The model: MoE dispatch paths agree, drops are counted, attention is causal."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,7 @@ from flax import nnx
 from jaxmoe.config import MoEConfig, config_from_dict
 from jaxmoe.model.dispatch import capacity, dense_dispatch, grouped_dispatch
 from jaxmoe.model.experts import ExpertWeights
-from jaxmoe.model.router import Routing, route
+from jaxmoe.model.router import route
 from jaxmoe.model.transformer import Transformer
 
 T, D, F, E, K = 48, 16, 24, 8, 2
