@@ -102,12 +102,13 @@ def test_bubble_fraction():
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
 
 
-@pytest.mark.parametrize("stages, virtual, dispatcher", [(2, 2, "dense"), (4, 2, "grouped")])
-def test_circular_equals_sequential(stages, virtual, dispatcher):
+@pytest.mark.parametrize("stages, virtual, dispatcher, expert", [
+    (2, 2, "dense", 1), (4, 2, "grouped", 1), (2, 2, "alltoall", 2)])
+def test_circular_equals_sequential(stages, virtual, dispatcher, expert):
     from jaxmoe.parallel.pipeline import layer_order
     raw = {**BASE, "model": {**BASE["model"], "num_layers": 9},  # 8 MoE layers
            "moe": {**BASE["moe"], "dispatcher": dispatcher},
-           "mesh": {"data": 8 // stages, "stage": stages},
+           "mesh": {"data": 8 // stages // expert, "stage": stages, "expert": expert},
            "pipeline": {"microbatches": 4, "schedule": "circular", "virtual_stages": virtual}}
     cfg = config_from_dict(raw)
     mesh = make_mesh(cfg.mesh)
@@ -115,7 +116,7 @@ def test_circular_equals_sequential(stages, virtual, dispatcher):
     state = steps.init(jax.random.PRNGKey(0))
     tokens = jax.device_put(TOKENS, steps.batch_sharding)
     w = state.params["moe_layers"]["moe"]["experts"]["w_gate_up"][...]
-    assert per_device_shapes(w) == {(8 // stages,) + w.shape[1:]}  # own chunks only
+    assert per_device_shapes(w) == {(8 // stages, 8 // expert) + w.shape[2:]}  # own chunks only
 
     def loss(graphdef, params, buffers, mesh):
         logits, aux = nnx.merge(graphdef, params, buffers)(tokens[:, :-1], mesh=mesh)
@@ -126,7 +127,8 @@ def test_circular_equals_sequential(stages, virtual, dispatcher):
         lambda p, b: loss(g, p, b, m), has_aux=True))
     (value, aux), grads = grad(steps.graphdef, mesh)(state.params, state.buffers)
     # the same weights in model order, through the plain sequential scan
-    seq_cfg = config_from_dict({**raw, "mesh": {"data": 1}, "pipeline": {}})
+    seq_cfg = config_from_dict({**raw, "mesh": {"data": 1}, "pipeline": {},
+                                "moe": {**raw["moe"], "dispatcher": "dense"}})
     seq = build_steps(seq_cfg, make_mesh(seq_cfg.mesh, jax.devices()[:1]))
     order = np.argsort(layer_order(8, stages, virtual))
     to_model = lambda tree: jax.tree.map(  # noqa: E731
