@@ -1,0 +1,1 @@
+"""Numeric kernels: microscaling (MX) formats."""

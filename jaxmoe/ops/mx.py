@@ -1,0 +1,66 @@
+"""MXFP8 (OCP Microscaling) quantisation: blocks of 32 values share one scale.
+
+Each block of 32 consecutive values along the contraction axis is stored as
+float8_e4m3fn elements times one power-of-two scale in float8_e8m0fnu.
+
+Scale choice: X = 2^ceil(log2(amax / 448)), the smallest power of two that maps
+the block's max magnitude into e4m3's range (|v| / X <= 448). The spec's
+floor-based rule (2^(floor(log2 amax) - 8)) can put amax / X up to 511 and
+saturate the top of the block by up to 12.5%; rounding the exponent up never
+saturates and costs at most one bit of the smallest values' range.
+Elements: v / X rounded to nearest, ties to even (XLA's float -> e4m3fn cast).
+Bounds: relative error <= 2^-4 for |v| / X >= 2^-6 (e4m3 normals); below that
+(subnormals) absolute error <= 2^-10 * X.
+Special values: an all-zero block gets the smallest scale 2^-127 and zero
+elements; a block holding a NaN or an Inf gets the NaN scale (e8m0 0xFF), so the
+whole block dequantises to NaN (e4m3fn has no Inf). Scales clamp to [2^-127, 2^127].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+BLOCK = 32
+E4M3_MAX = 448.0
+
+
+def _blocks(x: jax.Array, axis: int) -> jax.Array:
+    x = jnp.moveaxis(x, axis, -1)
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"MX quantisation: axis of size {x.shape[-1]} is not a multiple of {BLOCK}")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+
+
+def quantize(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
+    """x -> (elements e4m3fn, same shape as x; scales e8m0fnu, axis divided by 32)."""
+    xb = _blocks(x.astype(jnp.float32), axis)  # [..., nblocks, 32]
+    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    finite = jnp.all(jnp.isfinite(xb), axis=-1, keepdims=True)
+    exponent = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-38) / E4M3_MAX))
+    exponent = jnp.clip(jnp.where(amax > 0, exponent, -127.0), -127.0, 127.0)
+    # e8m0 is a bare biased exponent (0xFF = NaN); built from bits, since 2^-127
+    # is an fp32 subnormal that a float cast may flush to zero
+    bits = jnp.where(finite, exponent + 127.0, 255.0).astype(jnp.uint8)
+    scale = jax.lax.bitcast_convert_type(bits[..., 0], jnp.float8_e8m0fnu)
+    # a power-of-two scaling is exact; the clip only guards rounding at the top
+    scaled = jnp.clip(xb * jnp.exp2(-exponent), -E4M3_MAX, E4M3_MAX)
+    elements = jnp.where(finite, scaled, jnp.nan).astype(jnp.float8_e4m3fn)
+    elements = jnp.moveaxis(elements.reshape(*elements.shape[:-2], -1), -1, axis)
+    scales = jnp.moveaxis(scale, -1, axis)
+    return elements, scales
+
+
+def dequantize(elements: jax.Array, scales: jax.Array, axis: int = -1,
+               dtype=jnp.float32) -> jax.Array:
+    eb = _blocks(elements.astype(jnp.float32), axis)
+    bits = jax.lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.float32)
+    scale = jnp.where(bits == 255, jnp.nan, jnp.exp2(bits - 127.0))
+    s = jnp.moveaxis(scale, axis, -1)[..., None]
+    out = (eb * s).reshape(*eb.shape[:-2], -1)
+    return jnp.moveaxis(out, -1, axis).astype(dtype)
+
+
+def fake_quantize(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Quantise-dequantise round trip in x's dtype: what an MXFP8 GEMM sees of x."""
+    return dequantize(*quantize(x, axis), axis=axis, dtype=x.dtype)
