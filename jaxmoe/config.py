@@ -56,6 +56,9 @@ class MoEConfig:
     router_jitter: float = 0.0  # multiplicative input noise in training, e.g. 0.01
     dispatcher: Literal["dense", "grouped", "alltoall", "allgather", "ragged"] = "grouped"
     capacity_factor: float = 1.25  # buffer rows per expert = factor * T * K / E
+    # expert GEMMs: in model.compute_dtype, or MXFP8 (e4m3 blocks of 32 with e8m0 scales)
+    expert_precision: Literal["compute", "mxfp8"] = "compute"
+    mxfp8_weight_grad: bool = False  # mxfp8: weight gradients in MXFP8 too (else bf16)
     balance_loss_weight: float = 0.01
     # tokens over which the Switch loss's f and P are taken: each device's
     # micro-batch, each sequence, or the whole (micro)batch across data-parallel ranks
@@ -186,6 +189,11 @@ def validate(c: Config) -> None:
                  f"{moe.top_k} must be in [1, num_experts={moe.num_experts}]")
         _require(moe.expert_hidden > 0, "moe.expert_hidden", "must be positive")
         _require(moe.capacity_factor > 0, "moe.capacity_factor", "must be positive")
+        if moe.expert_precision == "mxfp8":
+            _require(m.d_model % 32 == 0 and moe.expert_hidden % 32 == 0, "moe.expert_precision",
+                     "mxfp8 blocks of 32 need d_model and expert_hidden divisible by 32")
+            _require(moe.dispatcher != "ragged", "moe.expert_precision",
+                     "mxfp8 is not yet wired into the ragged dispatcher's ragged_dot")
     for axis in ("data", "expert", "stage"):
         v = getattr(c.mesh, axis)
         _require(v == -1 or v > 0, f"mesh.{axis}", f"must be positive or -1, got {v}")

@@ -99,7 +99,7 @@ def dense_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig, me
     T, E = x_TxD.shape[0], cfg.num_experts
     gates_TxE = jnp.zeros((T, E), jnp.float32).at[
         jnp.arange(T)[:, None], routing.expert_TxK].add(routing.gate_TxK)
-    y_ExTxD = expert_ffn(w, jnp.broadcast_to(x_TxD, (E,) + x_TxD.shape))
+    y_ExTxD = expert_ffn(w, jnp.broadcast_to(x_TxD, (E,) + x_TxD.shape), cfg)
     y_TxD = jnp.einsum("etd,te->td", y_ExTxD, gates_TxE.astype(x_TxD.dtype))
     return Dispatched(y_TxD, jnp.zeros((), jnp.int32))
 
@@ -118,6 +118,6 @@ def grouped_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig, 
     token_N = jnp.tile(jnp.arange(T, dtype=jnp.int32), K)
     slot_N, kept_N = buffer_slots(expert_N, E, C)
     x_ExCxD = gather_rows(x_TxD, slot_N, token_N, E * C).reshape(E, C, D)
-    y_ExCxD = expert_ffn(w, x_ExCxD)
+    y_ExCxD = expert_ffn(w, x_ExCxD, cfg)
     y_TxD = combine_rows(y_ExCxD.reshape(E * C, D), slot_N, routing.gate_TxK.T)
     return Dispatched(y_TxD, jnp.sum(~kept_N).astype(jnp.int32))

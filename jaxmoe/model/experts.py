@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmoe.config import MoEConfig
 from jaxmoe.model.layers import param
+from jaxmoe.ops.mx import mx_linear
 
 
 class ExpertWeights(NamedTuple):
@@ -18,16 +21,21 @@ class ExpertWeights(NamedTuple):
     w_down_ExFxD: jax.Array
 
 
-def expert_ffn(w: ExpertWeights, x_ExCxD: jax.Array) -> jax.Array:
+def expert_ffn(w: ExpertWeights, x_ExCxD: jax.Array, cfg: MoEConfig | None = None) -> jax.Array:
     """Grouped GEMM over per-expert row buffers: SwiGLU of each expert on its rows.
 
     A batched matmul over equal-size buffers: on CPU this beats ragged_dot, which
-    computes every group densely there.
+    computes every group densely there. With `moe.expert_precision: mxfp8` both
+    GEMMs take MXFP8 operands (see jaxmoe.ops.mx).
     """
     dt = x_ExCxD.dtype
-    h_ExCx2F = jnp.einsum("ecd,edf->ecf", x_ExCxD, w.w_gate_up_ExDx2F.astype(dt))
+    if cfg is not None and cfg.expert_precision == "mxfp8":
+        matmul = functools.partial(mx_linear, mxfp8_weight_grad=cfg.mxfp8_weight_grad)
+    else:
+        matmul = lambda x, w: jnp.einsum("eck,ekn->ecn", x, w.astype(dt))  # noqa: E731
+    h_ExCx2F = matmul(x_ExCxD, w.w_gate_up_ExDx2F)
     gate, up = jnp.split(h_ExCx2F, 2, axis=-1)
-    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w.w_down_ExFxD.astype(dt))
+    return matmul(jax.nn.silu(gate) * up, w.w_down_ExFxD)
 
 
 class Experts(nnx.Module):

@@ -18,6 +18,8 @@ whole block dequantises to NaN (e4m3fn has no Inf). Scales clamp to [2^-127, 2^1
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -64,3 +66,75 @@ def dequantize(elements: jax.Array, scales: jax.Array, axis: int = -1,
 def fake_quantize(x: jax.Array, axis: int = -1) -> jax.Array:
     """Quantise-dequantise round trip in x's dtype: what an MXFP8 GEMM sees of x."""
     return dequantize(*quantize(x, axis), axis=axis, dtype=x.dtype)
+
+
+# ---------------------------------------------------------------- MXFP8 batched matmul
+
+
+def _native() -> bool:
+    """cuDNN's block-scaled GEMM: Blackwell GPUs (compute capability 10+) only."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and float(getattr(device, "compute_capability", 0)) >= 10
+
+
+def mx_bmm(a_BxMxK: jax.Array, b_BxNxK: jax.Array, out_dtype) -> jax.Array:
+    """[B, M, K] x [B, N, K] -> [B, M, N], both operands MXFP8 along K, fp32 accumulation.
+
+    Native block-scaled GEMM where the backend has one; elsewhere the same
+    quantisation, dequantised, in an fp32 einsum (bit-for-bit the inputs the
+    hardware would see, so CPU runs predict GPU numerics).
+    """
+    qa, sa = quantize(a_BxMxK)
+    qb, sb = quantize(b_BxNxK)
+    if _native():
+        out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
+    else:
+        out = jnp.einsum("bmk,bnk->bmn", dequantize(qa, sa), dequantize(qb, sb),
+                         preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _varying(a: jax.Array) -> frozenset:
+    """Mesh axes `a` varies over inside shard_map (empty outside)."""
+    aval = jax.typeof(a)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """Sums a cotangent over the mesh axes the primal does not vary over (as autodiff
+    does for implicitly broadcast operands) and casts it to the primal's dtype."""
+    extra = tuple(sorted(_varying(ct) - _varying(primal)))
+    return (jax.lax.psum(ct, extra) if extra else ct).astype(primal.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def mx_linear(x_ExCxK: jax.Array, w_ExKxN: jax.Array, mxfp8_weight_grad: bool = False) -> jax.Array:
+    """Per-expert x @ w with MXFP8 operands in the forward and the input gradient.
+
+    Forward: x blocked along K, w along K. Input gradient dx = dy @ w^T: dy and w
+    blocked along N. Weight gradient dw = x^T @ dy over the rows C: bf16 operands
+    with fp32 accumulation, or MXFP8 blocked along C when `mxfp8_weight_grad`.
+    """
+    return mx_bmm(x_ExCxK, jnp.swapaxes(w_ExKxN, 1, 2), x_ExCxK.dtype)
+
+
+def _mx_linear_fwd(x, w, mxfp8_weight_grad):
+    return mx_linear(x, w, mxfp8_weight_grad), (x, w)
+
+
+def _mx_linear_bwd(mxfp8_weight_grad, res, dy_ExCxN):
+    x, w = res
+    dx = mx_bmm(dy_ExCxN, w, jnp.float32)  # contracts N: [E, C, N] x [E, K, N]
+    xt, dyt = jnp.swapaxes(x, 1, 2), jnp.swapaxes(dy_ExCxN, 1, 2)  # [E, K, C], [E, N, C]
+    if mxfp8_weight_grad:
+        dw = mx_bmm(xt, dyt, jnp.float32)
+    else:
+        dw = jnp.einsum("ekc,enc->ekn", xt.astype(jnp.bfloat16), dyt.astype(jnp.bfloat16),
+                        preferred_element_type=jnp.float32)
+    return _like_primal(dx, x), _like_primal(dw, w)
+
+
+mx_linear.defvjp(_mx_linear_fwd, _mx_linear_bwd)

@@ -84,7 +84,7 @@ def alltoall_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
         # recv[r] holds what source rank r sent for my El experts.
         recv_RxElxCxD = lax.all_to_all(send_RxElxCxD, "expert", 0, 0, tiled=True)
         x_ElxRCxD = recv_RxElxCxD.transpose(1, 0, 2, 3).reshape(El, R * C, D)
-        y_ElxRxCxD = expert_ffn(w_local, x_ElxRCxD).reshape(El, R, C, D)
+        y_ElxRxCxD = expert_ffn(w_local, x_ElxRCxD, cfg).reshape(El, R, C, D)
         back_RxElxCxD = lax.all_to_all(y_ElxRxCxD.transpose(1, 0, 2, 3), "expert", 0, 0,
                                        tiled=True)
         y_TlxD = combine_rows(back_RxElxCxD.reshape(E * C, D), slot_N, gate_TlxK.T)
@@ -119,7 +119,7 @@ def allgather_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig
         # Local expert index; other ranks' experts fall outside [0, El) and one-hot to zero.
         local_TgxK = expert_TgxK - lax.axis_index("expert") * El
         gates_TgxEl = jnp.einsum("tk,tke->te", gate_TgxK, jax.nn.one_hot(local_TgxK, El))
-        y_ElxTgxD = expert_ffn(w_local, jnp.broadcast_to(x_TgxD, (El,) + x_TgxD.shape))
+        y_ElxTgxD = expert_ffn(w_local, jnp.broadcast_to(x_TgxD, (El,) + x_TgxD.shape), cfg)
         y_TgxD = jnp.einsum("etd,te->td", y_ElxTgxD, gates_TgxEl.astype(x_TgxD.dtype))
         return lax.psum_scatter(y_TgxD, "expert", scatter_dimension=0, tiled=True)
 
