@@ -33,6 +33,29 @@ for name in ("ragged", "alltoall", "allgather"):
     err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
     print(f"{name:9s} vs dense on {n} device(s): max abs diff {err:.2e}")
 PY
-  # 2. the MoE block vs dense MLP at the reference shape (fp32 on GPU)
+  # 2. the expert GEMMs in MXFP8 against bf16 (forward + backward), native where supported
+  python3 - <<'PY'
+import dataclasses, time, jax, jax.numpy as jnp
+from jaxmoe.config import MoEConfig
+from jaxmoe.model.experts import ExpertWeights, expert_ffn
+from jaxmoe.ops.mx import _native
+E, C, D, F = 8, 2048, 512, 1024
+ks = jax.random.split(jax.random.key(0), 3)
+x = jax.random.normal(ks[0], (E, C, D), jnp.bfloat16)
+w = ExpertWeights(jax.random.normal(ks[1], (E, D, 2 * F)) / 23, jax.random.normal(ks[2], (E, F, D)) / 32)
+base = MoEConfig(num_experts=E, expert_hidden=F)
+times = {}
+for name, cfg in [("bf16", base), ("mxfp8", dataclasses.replace(base, expert_precision="mxfp8"))]:
+    step = jax.jit(jax.grad(lambda x, w: jnp.sum(expert_ffn(w, x, cfg).astype(jnp.float32)), (0, 1)))
+    jax.block_until_ready(step(x, w))
+    t0 = time.perf_counter()
+    for _ in range(20):
+        out = step(x, w)
+    jax.block_until_ready(out)
+    times[name] = (time.perf_counter() - t0) / 20
+    print(f"expert GEMM fwd+bwd {name:6s} {times[name] * 1e3:.2f} ms")
+print(f"mxfp8/bf16 time ratio {times['mxfp8'] / times['bf16']:.2f} (native block-scaled GEMM: {_native()})")
+PY
+  # 3. the MoE block vs dense MLP at the reference shape (fp32 on GPU)
   python3 -m jaxmoe.bench moe --repeats 10 --json "$out/bench_moe.json"
 } 2>&1 | tee "$out/gpu_results.txt"
