@@ -192,8 +192,8 @@ def validate(c: Config) -> None:
         if moe.expert_precision == "mxfp8":
             _require(m.d_model % 32 == 0 and moe.expert_hidden % 32 == 0, "moe.expert_precision",
                      "mxfp8 blocks of 32 need d_model and expert_hidden divisible by 32")
-            _require(moe.dispatcher != "ragged", "moe.expert_precision",
-                     "mxfp8 is not yet wired into the ragged dispatcher's ragged_dot")
+            _require(not (moe.dispatcher == "ragged" and moe.mxfp8_weight_grad),
+                     "moe.mxfp8_weight_grad", "the ragged dispatcher keeps bf16 weight gradients")
     for axis in ("data", "expert", "stage"):
         v = getattr(c.mesh, axis)
         _require(v == -1 or v > 0, f"mesh.{axis}", f"must be positive or -1, got {v}")

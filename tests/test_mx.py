@@ -125,3 +125,40 @@ def test_mxfp8_training_tracks_bf16(tmp_path):
         losses[precision] = train(cfg, corpus)["heldout_loss"]
     assert losses["mxfp8"] == pytest.approx(losses["compute"], abs=0.05)  # the stated margin
     assert losses["mxfp8"] != losses["compute"]  # and it is a different computation
+
+
+def test_mxfp8_ragged_ffn_matches_grouped_buffers():
+    import dataclasses
+    import jax
+    from jaxmoe.config import MoEConfig
+    from jaxmoe.model.experts import ExpertWeights, expert_ffn
+    from jaxmoe.parallel.ep_dispatch import ragged_ffn
+    cfg = MoEConfig(num_experts=3, expert_hidden=32, expert_precision="mxfp8")
+    ks = jax.random.split(jax.random.key(3), 3)
+    w = ExpertWeights(jax.random.normal(ks[0], (3, 32, 64)) / 6, jax.random.normal(ks[1], (3, 32, 32)) / 6)
+    sizes = [5, 0, 11]
+    x = jax.random.normal(ks[2], (16, 32))
+    gs = jnp.asarray(sizes, jnp.int32)
+
+    def ragged_loss(x, w):
+        return jnp.sum(jnp.sin(ragged_ffn(w, x, gs, cfg)))
+
+    def buffer_loss(x, w):  # the same rows, one expert at a time
+        total, start = 0.0, 0
+        for e, n in enumerate(sizes):
+            if n:
+                we = ExpertWeights(w.w_gate_up_ExDx2F[e:e + 1], w.w_down_ExFxD[e:e + 1])
+                total += jnp.sum(jnp.sin(expert_ffn(we, x[None, start:start + n], cfg)))
+            start += n
+        return total
+
+    (v, (dx, dw)) = jax.value_and_grad(ragged_loss, (0, 1))(x, w)
+    (v_ref, (dx_ref, dw_ref)) = jax.value_and_grad(buffer_loss, (0, 1))(x, w)
+    np.testing.assert_allclose(v, v_ref, rtol=1e-5)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-4, atol=1e-5)  # MXFP8 input gradient
+    # bf16 weight gradients (the ragged one is also rounded to bf16 on output)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2), dw, dw_ref)
+    got = (v, (dx, dw))
+    plain = jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(ragged_ffn(
+        w, x, gs, dataclasses.replace(cfg, expert_precision="compute")))), (0, 1))(x, w)
+    assert abs(float(plain[0]) - float(got[0])) > 1e-4  # MXFP8 really changed the numbers

@@ -138,3 +138,31 @@ def _mx_linear_bwd(mxfp8_weight_grad, res, dy_ExCxN):
 
 
 mx_linear.defvjp(_mx_linear_fwd, _mx_linear_bwd)
+
+
+@jax.custom_vjp
+def mx_ragged_linear(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+    """`lax.ragged_dot` (rows grouped contiguously per expert) with MXFP8 operands in the
+    forward and the input gradient, bf16 weight gradients; emulated on every backend
+    (no native block-scaled ragged GEMM is exposed)."""
+    return jax.lax.ragged_dot(fake_quantize(x_MxK, -1), fake_quantize(w_GxKxN, 1), group_sizes_G,
+                              preferred_element_type=jnp.float32).astype(x_MxK.dtype)
+
+
+def _mx_ragged_fwd(x, w, group_sizes):
+    return mx_ragged_linear(x, w, group_sizes), (x, w, group_sizes)
+
+
+def _mx_ragged_bwd(res, dy_MxN):
+    x, w, group_sizes = res
+    w_GxNxK = jnp.swapaxes(fake_quantize(w, 2), 1, 2)
+    dx = jax.lax.ragged_dot(fake_quantize(dy_MxN, -1), w_GxNxK, group_sizes,
+                            preferred_element_type=jnp.float32)
+    _, weight_vjp = jax.vjp(
+        lambda w_: jax.lax.ragged_dot(x.astype(jnp.bfloat16), w_.astype(jnp.bfloat16), group_sizes,
+                                      preferred_element_type=jnp.float32), w)
+    (dw,) = weight_vjp(dy_MxN.astype(jnp.float32))
+    return _like_primal(dx, x), _like_primal(dw, w), None
+
+
+mx_ragged_linear.defvjp(_mx_ragged_fwd, _mx_ragged_bwd)

@@ -32,6 +32,7 @@ from jaxmoe.model.dispatch import (Dispatched, buffer_slots, capacity, combine_r
                                    gather_rows, register)
 from jaxmoe.model.experts import ExpertWeights, expert_ffn
 from jaxmoe.model.router import Routing
+from jaxmoe.ops.mx import mx_ragged_linear
 from jaxmoe.sharding import BATCH_AXES
 
 TOKENS = P(BATCH_AXES)  # leading token dim split over ("data", "expert")
@@ -169,12 +170,17 @@ def ragged_plan(counts_RxE: jax.Array, rank: jax.Array, El: int) -> RaggedPlan:
     return RaggedPlan(forward, backward, group_RxEl[rank])
 
 
-def ragged_ffn(w: ExpertWeights, x_MxD: jax.Array, group_sizes_El: jax.Array) -> jax.Array:
+def ragged_ffn(w: ExpertWeights, x_MxD: jax.Array, group_sizes_El: jax.Array,
+               cfg: MoEConfig | None = None) -> jax.Array:
     """`expert_ffn` on rows grouped contiguously by expert (rows past the groups are unused)."""
     dt = x_MxD.dtype
-    h_Mx2F = lax.ragged_dot(x_MxD, w.w_gate_up_ExDx2F.astype(dt), group_sizes_El)
+    if cfg is not None and cfg.expert_precision == "mxfp8":
+        matmul = mx_ragged_linear
+    else:
+        matmul = lambda x, w, sizes: lax.ragged_dot(x, w.astype(dt), sizes)  # noqa: E731
+    h_Mx2F = matmul(x_MxD, w.w_gate_up_ExDx2F, group_sizes_El)
     gate, up = jnp.split(h_Mx2F, 2, axis=-1)
-    return lax.ragged_dot(jax.nn.silu(gate) * up, w.w_down_ExFxD.astype(dt), group_sizes_El)
+    return matmul(jax.nn.silu(gate) * up, w.w_down_ExFxD, group_sizes_El)
 
 
 @register("ragged")
@@ -202,7 +208,7 @@ def ragged_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
         send_NxD = gather_rows(x_TlxD, slot_N, token_N, N)
         recv_MxD = lax.ragged_all_to_all(send_NxD, jnp.zeros((R * N, D), x_TlxD.dtype),
                                          *plan.forward, axis_name="expert")
-        y_MxD = ragged_ffn(w_local, recv_MxD, plan.group_sizes_El)
+        y_MxD = ragged_ffn(w_local, recv_MxD, plan.group_sizes_El, cfg)
         back_NxD = lax.ragged_all_to_all(y_MxD, jnp.zeros((N, D), y_MxD.dtype),
                                          *plan.backward, axis_name="expert")
         return combine_rows(back_NxD, slot_N, gate_TlxK.T)
