@@ -203,8 +203,10 @@ def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float) -
     them across devices), once per optimizer step, however often a layer was
     recomputed.
     """
-    router = buffers["moe_layers"]["moe"]["router"]
     counts = counts_LxE.astype(jnp.float32)
     delta = rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
-    router["bias"] = jax.tree.map(lambda b: b + delta, router["bias"])
-    return buffers
+
+    def nudge(path, b):  # a new tree: the step's input state must stay untouched
+        return b + delta if "router" in jax.tree_util.keystr(path) else b
+
+    return jax.tree_util.tree_map_with_path(nudge, buffers)

@@ -187,3 +187,20 @@ def test_plots_write_pngs(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "eval_ce": 2.0}) + "\n")
     with pytest.raises(ValueError, match="no expert-load records"):
         plots.load_heatmaps(tmp_path)
+
+
+def test_skipped_step_leaves_bias_untouched():
+    cfg = config_from_dict({
+        "model": {"d_model": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
+        "moe": {"num_experts": 4, "top_k": 1, "expert_hidden": 16, "expert_bias": True,
+                "bias_update_rate": 0.01},
+        "mesh": {"data": 8}, "train": {"steps": 5, "batch_size": 8, "seq_len": 8},
+        "optimizer": {"warmup_steps": 1}})
+    batch = np.arange(8 * 9).reshape(8, 9) % 256
+    for poison, moved in [(jnp.nan, 0.0), (1.0, 0.01)]:  # a non-finite loss vs a normal one
+        steps = build_steps(cfg, make_mesh(cfg.mesh), loss_hook=lambda loss, step: loss * poison)
+        state, metrics = steps.train_step(steps.init(jax.random.PRNGKey(0)),
+                                          jax.device_put(batch, steps.batch_sharding))
+        assert int(metrics["skipped"]) == (poison != 1.0)
+        bias = np.asarray(state.buffers["moe_layers"]["moe"]["router"]["bias"][...])
+        assert np.abs(bias).max() == pytest.approx(moved)
