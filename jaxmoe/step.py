@@ -152,8 +152,8 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
             sums = jax.tree.map(jnp.add, carry, (grads, loss, ce, aux))
             return sums, None
 
-        aux_shapes = jax.eval_shape(grad_fn, state.params, state.buffers, micro_MxBxL1[0], None,
-                                    state.step)[0][1][1]
+        aux_shapes = jax.eval_shape(loss_fn, state.params, state.buffers, micro_MxBxL1[0], None,
+                                    state.step)[1][1]  # forward only: shapes of the router stats
         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
                              (state.params, jnp.float32(0), jnp.float32(0), aux_shapes))
         (grads, loss, ce, aux), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(M), micro_MxBxL1))

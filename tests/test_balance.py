@@ -52,7 +52,7 @@ def _crafted(assign_T, T=64):
 @pytest.mark.parametrize("name, assign, max_mean, dead, deficit", [
     ("one expert", np.zeros(64, int), E, E - 1, np.log(E)),
     ("uniform", np.arange(64) % E, 1.0, 0, 0.0),
-    ("two dead", np.arange(64) % 6, 8 / 6 * (64 / 6 // 1 + 1) / (64 / 6), 2, None),
+    ("two dead", np.arange(64) % 6, None, 2, None),  # max/mean checked from the counts below
 ])
 def test_metrics_exact_on_crafted_routings(name, assign, max_mean, dead, deficit):
     expert, probs = _crafted(assign)

@@ -64,7 +64,7 @@ def test_pipeline_equals_sequential(sequential, mesh, micro, dispatcher):
     np.testing.assert_array_equal(aux["counts_E"], ref_aux["counts_E"])
     np.testing.assert_allclose(aux["balance_loss"], ref_aux["balance_loss"], rtol=1e-5)
     assert aux["counts_E"].sum() == 4 * 16 * 16 * 2  # 4 MoE layers x tokens x top-2
-    # and the gradient check has teeth: another batch gives other gradients
+    # and the gradient check has teeth: the gradients are far from zero
     embed = grads["embed"][...]
     assert np.abs(embed).max() > 1e-4
     # the stage dimension is really split: each device holds only its stages' layers
