@@ -58,4 +58,22 @@ print(f"mxfp8/bf16 time ratio {times['mxfp8'] / times['bf16']:.2f} (native block
 PY
   # 3. the MoE block vs dense MLP at the reference shape (fp32 on GPU)
   python3 -m jaxmoe.bench moe --repeats 10 --json "$out/bench_moe.json"
+  # 4. a bf16 train step at GPU shapes: MFU against the measured bf16 matmul rate,
+  #    with XLA's collective/compute overlap on and off (it is not always a win)
+  gpu_model=(--set model.compute_dtype=bfloat16 --set model.d_model=2048 --set model.num_heads=16
+             --set model.num_kv_heads=4 --set model.mlp_hidden=8192 --set moe.expert_hidden=1024
+             --set train.batch_size=16 --set train.seq_len=2048)
+  overlap_off="--xla_gpu_enable_latency_hiding_scheduler=false --xla_gpu_disable_async_collectives=allreduce,allgather,reducescatter,collectivebroadcast,alltoall,collectivepermute"
+  XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true" \
+    python3 -m jaxmoe.bench step "${gpu_model[@]}" --matmul-size 8192 --json "$out/bench_step_overlap.json"
+  XLA_FLAGS="$overlap_off" \
+    python3 -m jaxmoe.bench step "${gpu_model[@]}" --matmul-size 8192 --json "$out/bench_step_no_overlap.json"
+  # 5. 8 vs 128 experts of the same size in that bf16 model
+  python3 -m jaxmoe.bench experts "${gpu_model[@]}" --json "$out/bench_experts.json"
+  # 6. with 8+ GPUs: ddp+EP vs fsdp, overlap on and off
+  if [ "$(python3 -c 'import jax; print(jax.device_count())')" -ge 8 ]; then
+    XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true" \
+      python3 -m jaxmoe.bench parallel --json "$out/bench_parallel_overlap.json"
+    XLA_FLAGS="$overlap_off" python3 -m jaxmoe.bench parallel --json "$out/bench_parallel_no_overlap.json"
+  fi
 } 2>&1 | tee "$out/gpu_results.txt"

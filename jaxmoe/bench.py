@@ -10,6 +10,10 @@ arguments; it returns a dict of numbers, which `--json` writes to a file.
             8 devices: step time and bytes per collective kind, in one run.
   pipeline  a whole train step with 1, 2 and 4 pipeline stages on 8 devices,
             GPipe and circular (2 virtual stages), beside the predicted bubble.
+  step      a whole train step of a small full model on one device: model-FLOPs
+            utilisation against the dense-matmul rate measured in the same run.
+  experts   tokens/s of that model's train step at 8 and at 128 experts (top-4,
+            same expert size): what many experts cost.
 
 Cases are timed round-robin, so machine noise hits every case alike, and the
 median of the repeats is reported.
@@ -262,6 +266,115 @@ def bench_pipeline(a: argparse.Namespace) -> dict:
     rows = [("stages", "step s", "/S=1", "bubble (S-1)/(VM+S-1)")]
     rows += [(n, f"{c['step_s']:.3f}", f"{c['vs_S1']:.2f}", f"{c['bubble_predicted']:.3f}")
              for n, c in result["cases"].items()]
+    print_table(rows)
+    return result
+
+
+# ---------------------------------------------------------------- step, experts
+
+# A small full model for one CPU: big enough that its GEMMs run near the
+# machine's matmul rate, small enough to step in seconds.
+SMALL_MODEL = ["model.d_model=512", "model.num_heads=8", "model.num_kv_heads=4",
+               "model.num_layers=4", "model.num_dense_layers=1", "model.mlp_hidden=2048",
+               "moe.top_k=4", "moe.expert_hidden=512", "moe.shared_expert_hidden=0",
+               "moe.capacity_factor=1.0", "moe.dispatcher=grouped",
+               "train.batch_size=32", "train.seq_len=256"]
+
+
+def _one_device_step(config: str, overrides: list[str]):
+    """(thunk running one train step on the first device, the config)."""
+    from jaxmoe.config import MeshConfig, load_config
+    from jaxmoe.sharding import make_mesh
+    from jaxmoe.step import build_steps
+
+    cfg = load_config(config, overrides)
+    steps = build_steps(cfg, make_mesh(MeshConfig(), jax.devices()[:1]))
+    state = [steps.init(jax.random.PRNGKey(0))]
+    tokens = jax.random.randint(jax.random.PRNGKey(1),
+                                (cfg.train.batch_size, cfg.train.seq_len + 1), 0,
+                                cfg.model.vocab_size)
+    batch = jax.device_put(tokens, steps.batch_sharding)
+
+    def run():
+        state[0], metrics = steps.train_step(state[0], batch)
+        return metrics
+
+    return run, cfg
+
+
+def _matmul_case(n: int, dtype) -> tuple[Callable[[], object], float]:
+    """(thunk of one [n, n] x [n, n] matmul, its FLOPs)."""
+    ka, kb = jax.random.split(jax.random.key(0))
+    a, b = (jax.random.normal(k, (n, n), dtype) for k in (ka, kb))
+    mm = jax.jit(jnp.matmul)
+    return lambda: mm(a, b), 2.0 * n ** 3
+
+
+def _small_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="configs/tiny.yaml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="overrides applied after the small-model ones")
+    p.add_argument("--repeats", type=int, default=5)
+
+
+def _step_args(p: argparse.ArgumentParser) -> None:
+    _small_model_args(p)
+    p.add_argument("--matmul-size", type=int, default=1024,
+                   help="n of the n x n x n matmul whose rate is the reference")
+
+
+@subcommand("step", _step_args,
+            "model-FLOPs utilisation of a train step vs the measured dense-matmul rate")
+def bench_step(a: argparse.Namespace) -> dict:
+    from jaxmoe.config import flops_per_token
+
+    run, cfg = _one_device_step(a.config, SMALL_MODEL + a.set)
+    matmul, matmul_flops = _matmul_case(a.matmul_size, jnp.dtype(cfg.model.compute_dtype))
+    secs = time_round_robin({"train_step": run, "matmul": matmul}, a.repeats)
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    step_flops = flops_per_token(cfg) * tokens
+    matmul_rate, step_rate = matmul_flops / secs["matmul"], step_flops / secs["train_step"]
+    result = {"config": a.config, "overrides": SMALL_MODEL + a.set,
+              "matmul": {"n": a.matmul_size, "seconds": secs["matmul"], "flops_per_s": matmul_rate},
+              "train_step": {"seconds": secs["train_step"], "model_flops": step_flops,
+                             "model_flops_per_s": step_rate, "tokens_per_s": tokens / secs["train_step"]},
+              "mfu_vs_matmul": step_rate / matmul_rate}
+    print_table([("case", "s", "GFLOP/s", "tokens/s"),
+                 (f"matmul {a.matmul_size}^3", f"{secs['matmul']:.4f}", f"{matmul_rate / 1e9:.1f}", ""),
+                 ("train step (model FLOPs)", f"{secs['train_step']:.3f}", f"{step_rate / 1e9:.1f}",
+                  f"{tokens / secs['train_step']:.0f}"),
+                 ("ratio MFU / matmul rate", "", f"{result['mfu_vs_matmul']:.3f}", "")])
+    return result
+
+
+def _experts_args(p: argparse.ArgumentParser) -> None:
+    _small_model_args(p)
+    p.add_argument("--experts", type=int, nargs="+", default=[8, 128])
+
+
+@subcommand("experts", _experts_args,
+            "train-step tokens/s of the small full model at 8 vs 128 experts (top-4)")
+def bench_experts(a: argparse.Namespace) -> dict:
+    from jaxmoe.config import param_counts
+
+    runs, cfgs = {}, {}
+    for E in a.experts:
+        runs[f"E{E}"], cfgs[f"E{E}"] = _one_device_step(
+            a.config, SMALL_MODEL + a.set + [f"moe.num_experts={E}"])
+    secs = time_round_robin(runs, a.repeats)
+    first = f"E{a.experts[0]}"
+    result = {"config": a.config, "overrides": SMALL_MODEL + a.set, "cases": {}}
+    for name, cfg in cfgs.items():
+        tokens, counts = cfg.train.batch_size * cfg.train.seq_len, param_counts(cfg)
+        result["cases"][name] = {"step_s": secs[name], "tokens_per_s": tokens / secs[name],
+                                 "params_total": counts.total, "params_active": counts.active}
+    base = result["cases"][first]["tokens_per_s"]
+    result["ratios"] = {f"{n}/{first}": c["tokens_per_s"] / base for n, c in result["cases"].items()
+                        if n != first}
+    rows = [("case", "params", "active", "step s", "tokens/s")]
+    rows += [(n, f"{c['params_total'] / 1e6:.0f}M", f"{c['params_active'] / 1e6:.0f}M",
+              f"{c['step_s']:.3f}", f"{c['tokens_per_s']:.0f}") for n, c in result["cases"].items()]
+    rows += [("ratio " + n, "", "", "", f"{r:.3f}") for n, r in result["ratios"].items()]
     print_table(rows)
     return result
 

@@ -14,9 +14,11 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxmoe.config import Config
+from jaxmoe.config import Config, config_from_dict
+from jaxmoe.parallel.pipeline import stored_layer_order
 from jaxmoe.step import Steps, TrainState
 
 FORMAT_VERSION = 1
@@ -84,12 +86,13 @@ def check_compatible(saved: dict, cfg: Config, where: Path) -> None:
     diffs = [f"{sec}.{key}: checkpoint {saved[sec].get(key)!r}, config {current[sec][key]!r}"
              for sec, keys in SHAPE_KEYS.items() for key in keys
              if saved.get(sec, {}).get(key) != current[sec][key]]
-    # circular pipelines store MoE layers device-major: the layout must match too
-    layout = lambda c: (c["mesh"]["stage"], c["pipeline"]["virtual_stages"])  # noqa: E731
-    saved_v = saved.get("pipeline", {}).get("virtual_stages", 1)
-    if (saved_v > 1 or cfg.pipeline.virtual_stages > 1) and layout(saved) != layout(current):
+    # pipelines store MoE layers by stage, padded to equal stages: the layout must match too
+    if not diffs and not np.array_equal(stored_layer_order(config_from_dict(saved)),
+                                        stored_layer_order(cfg)):
+        layout = lambda c: (c["mesh"]["stage"], c["pipeline"]["virtual_stages"])  # noqa: E731
         diffs.append(f"(mesh.stage, pipeline.virtual_stages): checkpoint {layout(saved)}, "
-                     f"config {layout(current)} (circular pipelines store layers by stage)")
+                     f"config {layout(current)} (pipelines store MoE layers by stage, padded "
+                     "to equal stages)")
     if diffs:
         raise CheckpointError(f"checkpoint {where} was made for another model shape: "
                               + "; ".join(diffs))

@@ -150,6 +150,14 @@ class Config:
     def num_moe_layers(self) -> int:
         return self.model.num_layers - self.model.num_dense_layers
 
+    @property
+    def moe_layer_slots(self) -> int:
+        """Stored MoE layers: pipeline stages hold equal chunks, so a layer count that
+        does not divide into mesh.stage x virtual_stages chunks is padded with
+        pass-through slots at the end of the model (their compute is wasted)."""
+        chunks = max(self.mesh.stage, 1) * self.pipeline.virtual_stages
+        return -(-self.num_moe_layers // chunks) * chunks
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -212,9 +220,9 @@ def validate(c: Config) -> None:
         _require(P >= c.mesh.stage, "pipeline.microbatches",
                  f"circular needs at least as many microbatches as stages ({c.mesh.stage})")
     if c.mesh.stage > 1:
-        _require(c.num_moe_layers % (c.mesh.stage * V) == 0, "mesh.stage",
-                 f"{c.num_moe_layers} MoE layers cannot be split into {c.mesh.stage} stages "
-                 f"x {V} virtual stages of equal size")
+        _require(c.num_moe_layers >= c.mesh.stage * V, "mesh.stage",
+                 f"{c.num_moe_layers} MoE layers cannot fill {c.mesh.stage} stages "
+                 f"x {V} virtual stages")
     _require(P > 0 and (t.batch_size // max(t.microbatches, 1)) % P == 0, "pipeline.microbatches",
              f"{P} does not divide the per-step batch of {t.batch_size // max(t.microbatches, 1)}")
     _require(t.steps > 0, "train.steps", "must be positive")

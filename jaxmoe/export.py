@@ -21,8 +21,8 @@ from flax import nnx
 
 from jaxmoe import checkpoint
 from jaxmoe.checkpoint import CheckpointError
-from jaxmoe.config import Config, config_from_dict
-from jaxmoe.parallel.pipeline import layer_order
+from jaxmoe.config import Config, MeshConfig, config_from_dict
+from jaxmoe.parallel.pipeline import stored_layer_order
 from jaxmoe.sharding import make_mesh
 from jaxmoe.step import build_steps
 
@@ -33,8 +33,7 @@ def named_tensors(params: nnx.State, cfg: Config) -> dict[str, tuple[np.ndarray,
     """Flat {name: (array, axis names)}; stacked layers are split one tensor per layer,
     numbered in model order."""
     num_dense = cfg.model.num_dense_layers
-    moe_order = layer_order(cfg.num_moe_layers, max(cfg.mesh.stage, 1),
-                            cfg.pipeline.virtual_stages)
+    moe_order = stored_layer_order(cfg)
     out = {}
     flat = nnx.to_flat_state(params)
     for path, var in flat:
@@ -43,6 +42,8 @@ def named_tensors(params: nnx.State, cfg: Config) -> dict[str, tuple[np.ndarray,
         axes = list(var.get_metadata().get("out_sharding") or [])
         if keys[0] in ("dense_layers", "moe_layers"):
             for i in range(value.shape[0]):
+                if keys[0] == "moe_layers" and moe_order[i] >= cfg.num_moe_layers:
+                    continue  # a pipeline's padding slot
                 layer = i if keys[0] == "dense_layers" else num_dense + int(moe_order[i])
                 out[f"layers.{layer}." + ".".join(keys[1:])] = (value[i], axes[1:])
         else:
@@ -61,11 +62,9 @@ def export(checkpoint_path: str | Path, out: str | Path) -> dict[str, tuple]:
         directory, step = directory.parent, int(directory.name)
     step, meta = checkpoint.read_meta(directory, step)
     cfg = config_from_dict(meta["config"])
-    # same array shapes on one device (layer order is undone by named_tensors)
-    one_device = config_from_dict(meta["config"], [
-        "mesh.data=1", "mesh.expert=1", "mesh.stage=1", "moe.dispatcher=dense",
-        "pipeline.schedule=gpipe", "pipeline.virtual_stages=1", "pipeline.microbatches=1"])
-    steps = build_steps(one_device, make_mesh(one_device.mesh, jax.devices()[:1]))
+    # the saved layer layout, restored onto one device (named_tensors undoes the order)
+    one_device = config_from_dict(meta["config"], ["moe.dispatcher=dense"])
+    steps = build_steps(one_device, make_mesh(MeshConfig(), jax.devices()[:1]))
     state, _ = checkpoint.restore(directory, steps, step, check=False)
     # router biases steer expert selection, so they belong with the weights
     tensors = named_tensors(nnx.merge_state(state.params, state.buffers), cfg)

@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -20,6 +21,7 @@ from jaxmoe import sharding
 from jaxmoe.config import Config
 from jaxmoe.load_metrics import load_metrics
 from jaxmoe.model.transformer import Transformer
+from jaxmoe.parallel.pipeline import stored_layer_order
 from jaxmoe.optim import learning_rate_schedule, make_optimizer
 
 
@@ -172,7 +174,8 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
             metrics |= load_metrics(aux, B * (L1 - 1), moe.top_k, mesh.shape["expert"],
                                     moe.balance_loss_weight)
             if moe.expert_bias:
-                buffers = update_expert_bias(buffers, aux["counts_E"], moe.bias_update_rate)
+                buffers = update_expert_bias(buffers, aux["counts_E"], moe.bias_update_rate,
+                                             stored_layer_order(cfg))
         # A non-finite step changes nothing but the step counter (and the data position).
         keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         params, opt_state, buffers = jax.tree.map(
@@ -196,15 +199,19 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
     )
 
 
-def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float) -> nnx.State:
+def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float,
+                       order: np.ndarray | None = None) -> nnx.State:
     """Aux-loss-free balancing: nudge each expert's selection bias toward mean load.
 
     Uses the step's requested counts summed over the global batch (XLA reduces
     them across devices), once per optimizer step, however often a layer was
-    recomputed.
+    recomputed. order: model layer of each stored slot (pipelines store layers
+    by stage and may pad); counts come in model order.
     """
     counts = counts_LxE.astype(jnp.float32)
     delta = rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
+    if order is not None:  # padding slots (order >= L) get no update
+        delta = jnp.concatenate([delta, jnp.zeros_like(delta[:1])])[np.minimum(order, len(delta))]
 
     def nudge(path, b):  # a new tree: the step's input state must stay untouched
         return b + delta if "router" in jax.tree_util.keystr(path) else b

@@ -90,3 +90,14 @@ def test_reference_family_parameter_counts(experts, total):
     counts = param_counts(cfg)
     assert counts.total == pytest.approx(total, rel=0.02)
     assert counts.active == pytest.approx(3.2e9, rel=0.02)  # the same for every expert count
+
+
+def test_trillion_config_parameter_counts():
+    from pathlib import Path
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "moe_1200b_512gpu.yaml")
+    counts = param_counts(cfg)
+    assert counts.total == pytest.approx(1.2e12, rel=0.05)
+    assert counts.active == pytest.approx(58e9, rel=0.05)
+    assert (cfg.mesh.data, cfg.mesh.expert, cfg.mesh.stage) == (8, 8, 8)
+    assert cfg.moe.expert_precision == "mxfp8" and cfg.train.remat == "full"
+    assert cfg.num_moe_layers == 62 and cfg.moe_layer_slots == 64  # 2 pass-through slots

@@ -91,8 +91,13 @@ def test_pipeline_train_step_matches_and_zero1_applies(sequential):
 
 
 def test_pipeline_config_errors():
-    with pytest.raises(ConfigError, match="^mesh.stage"):
-        config_from_dict({**BASE, "mesh": {"data": 1, "stage": 3}})
+    with pytest.raises(ConfigError, match="^mesh.stage: 4 MoE layers cannot fill 8"):
+        config_from_dict({**BASE, "mesh": {"data": 1, "stage": 8}})
+    assert config_from_dict({**BASE, "mesh": {"data": 1, "stage": 3}}).moe_layer_slots == 6
+    open_stage = config_from_dict({**BASE, "model": {**BASE["model"], "num_layers": 4},
+                                   "mesh": {"data": 1, "stage": -1}})
+    with pytest.raises(ConfigError, match="^mesh.stage: 3 MoE layers do not split into 8"):
+        build_steps(open_stage, make_mesh(open_stage.mesh))
     with pytest.raises(ConfigError, match="^pipeline.microbatches"):
         config_from_dict({**BASE, "pipeline": {"microbatches": 3}})
 
@@ -102,15 +107,19 @@ def test_bubble_fraction():
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
 
 
-@pytest.mark.parametrize("stages, virtual, dispatcher, expert", [
-    (2, 2, "dense", 1), (4, 2, "grouped", 1), (2, 2, "alltoall", 2)])
-def test_circular_equals_sequential(stages, virtual, dispatcher, expert):
-    from jaxmoe.parallel.pipeline import layer_order
-    raw = {**BASE, "model": {**BASE["model"], "num_layers": 9},  # 8 MoE layers
-           "moe": {**BASE["moe"], "dispatcher": dispatcher},
+@pytest.mark.parametrize("stages, virtual, dispatcher, expert, moe_layers, precision", [
+    (2, 2, "dense", 1, 8, "compute"), (4, 2, "grouped", 1, 8, "compute"),
+    (2, 2, "alltoall", 2, 8, "compute"),
+    (4, 1, "grouped", 1, 7, "compute"), (2, 2, "alltoall", 2, 6, "mxfp8")])  # 7, 6: padded
+def test_pipeline_equals_sequential(stages, virtual, dispatcher, expert, moe_layers, precision):
+    from jaxmoe.parallel.pipeline import stored_layer_order
+    schedule = "circular" if virtual > 1 else "gpipe"
+    raw = {**BASE, "model": {**BASE["model"], "num_layers": moe_layers + 1},
+           "moe": {**BASE["moe"], "dispatcher": dispatcher, "expert_precision": precision},
            "mesh": {"data": 8 // stages // expert, "stage": stages, "expert": expert},
-           "pipeline": {"microbatches": 4, "schedule": "circular", "virtual_stages": virtual}}
+           "pipeline": {"microbatches": 4, "schedule": schedule, "virtual_stages": virtual}}
     cfg = config_from_dict(raw)
+    assert cfg.moe_layer_slots == 8
     mesh = make_mesh(cfg.mesh)
     steps = build_steps(cfg, mesh)
     state = steps.init(jax.random.PRNGKey(0))
@@ -130,23 +139,42 @@ def test_circular_equals_sequential(stages, virtual, dispatcher, expert):
     seq_cfg = config_from_dict({**raw, "mesh": {"data": 1}, "pipeline": {},
                                 "moe": {**raw["moe"], "dispatcher": "dense"}})
     seq = build_steps(seq_cfg, make_mesh(seq_cfg.mesh, jax.devices()[:1]))
-    order = np.argsort(layer_order(8, stages, virtual))
+    stored = stored_layer_order(cfg)
+    order = np.argsort(stored)[:moe_layers]
     to_model = lambda tree: jax.tree.map(  # noqa: E731
         lambda a: np.asarray(a)[order] if a.shape[:1] == (8,) else np.asarray(a),
         jax.device_get(tree))
-    moe_only = lambda tree: tree["moe_layers"]  # noqa: E731
-    seq_params = jax.device_get(state.params)
-    seq_params["moe_layers"] = to_model(moe_only(seq_params))
-    seq_buffers = jax.device_get(state.buffers)
+    seq_params, seq_buffers = jax.device_get(state.params), jax.device_get(state.buffers)
+    seq_params["moe_layers"] = to_model(seq_params["moe_layers"])
+    if "moe_layers" in seq_buffers:
+        seq_buffers["moe_layers"] = to_model(seq_buffers["moe_layers"])
     (ref_value, ref_aux), ref_grads = grad(seq.graphdef, None)(seq_params, seq_buffers)
     assert float(value) == pytest.approx(float(ref_value), rel=1e-5)
     got = jax.device_get(grads)
-    got["moe_layers"] = to_model(moe_only(got))
+    pads = np.flatnonzero(stored >= moe_layers)
+    jax.tree.map(lambda a: np.testing.assert_array_equal(a[pads], 0), got["moe_layers"])
+    got["moe_layers"] = to_model(got["moe_layers"])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6),
                  got, jax.device_get(ref_grads))
     np.testing.assert_array_equal(aux["counts_E"], ref_aux["counts_E"])  # model layer order
-    # teeth: the stored order really differs from model order
-    assert not np.array_equal(order, np.arange(8))
+    assert aux["counts_E"].shape[0] == moe_layers
+    # teeth: the stored layout really differs from model order
+    assert not np.array_equal(stored, np.arange(moe_layers))
+
+
+def test_expert_bias_update_lands_on_the_stored_slot():
+    """Counts come in model order; a circular, padded stack stores layers by stage."""
+    from jaxmoe.parallel.pipeline import layer_order
+    from jaxmoe.step import update_expert_bias
+    stored = layer_order(8, 2, 2)  # 7 real layers + 1 pad: [0, 1, 4, 5, 2, 3, 6, 7]
+    counts_LxE = np.zeros((7, 4), np.int32)
+    counts_LxE[4, 0] = 8  # model layer 4 overloads expert 0
+    buffers = {"router": {"bias": jnp.zeros((8, 4))}}
+    new = np.asarray(update_expert_bias(buffers, counts_LxE, 0.1, stored)["router"]["bias"])
+    slot = int(np.flatnonzero(stored == 4)[0])
+    assert slot == 2 and new[slot, 0] < 0 and (new[slot, 1:] > 0).all()
+    others = np.delete(np.arange(8), slot)
+    np.testing.assert_array_equal(new[others], 0)  # balanced layers and the pad stay put
 
 
 def test_layer_order_is_device_major():

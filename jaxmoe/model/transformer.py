@@ -20,7 +20,7 @@ from jaxmoe.sharding import constrain_batch
 from jaxmoe.model.attention import Attention
 from jaxmoe.model.layers import MLP, RMSNorm, param
 from jaxmoe.model.moe import MoE
-from jaxmoe.parallel.pipeline import layer_order, pipeline
+from jaxmoe.parallel.pipeline import pipeline, stored_layer_order
 
 REMAT_POLICIES = {
     "full": None,  # recompute the whole layer in the backward pass
@@ -71,18 +71,24 @@ def run_stack(stack: Block, x_BxLxD, positions_BxL, mesh, key, remat: str):
     return scan_layers(graphdef, state, x_BxLxD, positions_BxL, mesh, key, remat)
 
 
-def scan_layers(graphdef, state, x_BxLxD, positions_BxL, mesh, key, remat: str):
-    """lax.scan of one block over stacked layer states (leading axis = layers)."""
+def scan_layers(graphdef, state, x_BxLxD, positions_BxL, mesh, key, remat: str, active_N=None):
+    """lax.scan of one block over stacked layer states (leading axis = layers).
+
+    active_N: per-layer flags; an inactive layer passes x through and reports zeros.
+    """
     n = jax.tree.leaves(state)[0].shape[0]
     keys = None if key is None else jax.random.split(key, n)
 
     def body(x, layer):
-        layer_state, k = layer
-        return nnx.merge(graphdef, layer_state)(x, positions_BxL, mesh, k)
+        layer_state, k, active = layer
+        y, aux = nnx.merge(graphdef, layer_state)(x, positions_BxL, mesh, k)
+        if active is None:
+            return y, aux
+        return jnp.where(active, y, x), jax.tree.map(lambda a: jnp.where(active, a, 0), aux)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, x_BxLxD, (state, keys))
+    return jax.lax.scan(body, x_BxLxD, (state, keys, active_N))
 
 
 class Transformer(nnx.Module):
@@ -92,7 +98,7 @@ class Transformer(nnx.Module):
         if m.num_dense_layers:
             self.dense_layers = _stack(cfg, False, m.num_dense_layers, rngs)
         if cfg.num_moe_layers:
-            self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, rngs)
+            self.moe_layers = _stack(cfg, True, cfg.moe_layer_slots, rngs)
         self.final_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
         self.head = param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.init_std)
         self.cfg = cfg
@@ -115,12 +121,12 @@ class Transformer(nnx.Module):
         pipe = self.cfg.pipeline
         if self.cfg.num_moe_layers and mesh is not None and mesh.shape["stage"] > 1:
             x, aux = pipeline(self.moe_layers, x, positions_BxL, mesh, key, remat,
-                              pipe.microbatches, pipe.virtual_stages)
+                              pipe.microbatches, pipe.virtual_stages, self.cfg.num_moe_layers)
         elif self.cfg.num_moe_layers:
             graphdef, state = nnx.split(self.moe_layers)
-            if pipe.virtual_stages > 1:  # stored device-major: scan in model order
-                stored = np.argsort(layer_order(self.cfg.num_moe_layers, self.cfg.mesh.stage,
-                                                pipe.virtual_stages))
+            order, Lm = stored_layer_order(self.cfg), self.cfg.num_moe_layers
+            if not np.array_equal(order, np.arange(Lm)):  # stored for a pipeline: model order
+                stored = np.argsort(order)[:Lm]
                 state = jax.tree.map(lambda a: a[stored], state)
             x, aux = scan_layers(graphdef, state, x, positions_BxL, mesh, key, remat)
         x = self.final_norm(x)

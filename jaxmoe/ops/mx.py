@@ -77,6 +77,25 @@ def _native() -> bool:
     return device.platform == "gpu" and float(getattr(device, "compute_capability", 0)) >= 10
 
 
+def _quantized_operands(a_BxMxK: jax.Array, b_BxNxK: jax.Array):
+    """What an MXFP8 GEMM reads of its operands: (elements, scales) pairs where the
+    hardware takes them natively, else the dequantised fp32 values."""
+    qa, qb = quantize(a_BxMxK), quantize(b_BxNxK)
+    if _native():
+        return qa, qb
+    return dequantize(*qa), dequantize(*qb)
+
+
+def _gemm(a, b, out_dtype) -> jax.Array:
+    """[B, M, K] x [B, N, K] -> [B, M, N] on `_quantized_operands`, fp32 accumulation."""
+    if _native():
+        (qa, sa), (qb, sb) = a, b
+        out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
+    else:
+        out = jnp.einsum("bmk,bnk->bmn", a, b, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
 def mx_bmm(a_BxMxK: jax.Array, b_BxNxK: jax.Array, out_dtype) -> jax.Array:
     """[B, M, K] x [B, N, K] -> [B, M, N], both operands MXFP8 along K, fp32 accumulation.
 
@@ -84,14 +103,7 @@ def mx_bmm(a_BxMxK: jax.Array, b_BxNxK: jax.Array, out_dtype) -> jax.Array:
     quantisation, dequantised, in an fp32 einsum (bit-for-bit the inputs the
     hardware would see, so CPU runs predict GPU numerics).
     """
-    qa, sa = quantize(a_BxMxK)
-    qb, sb = quantize(b_BxNxK)
-    if _native():
-        out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
-    else:
-        out = jnp.einsum("bmk,bnk->bmn", dequantize(qa, sa), dequantize(qb, sb),
-                         preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
+    return _gemm(*_quantized_operands(a_BxMxK, b_BxNxK), out_dtype)
 
 
 def _varying(a: jax.Array) -> frozenset:
@@ -110,7 +122,13 @@ def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
     return (jax.lax.psum(ct, extra) if extra else ct).astype(primal.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+# The custom VJPs below take their forward operands already quantised (computed
+# outside, gradient stopped): a custom-VJP forward that quantises (and so mixes
+# constants with device-varying values) cannot be differentiated inside a
+# shard_map that a pipeline's stage vmap batches within scans (JAX's varying-axes
+# check rejects the batched forward). Their backward rules may quantise freely.
+
+
 def mx_linear(x_ExCxK: jax.Array, w_ExKxN: jax.Array, mxfp8_weight_grad: bool = False) -> jax.Array:
     """Per-expert x @ w with MXFP8 operands in the forward and the input gradient.
 
@@ -118,11 +136,17 @@ def mx_linear(x_ExCxK: jax.Array, w_ExKxN: jax.Array, mxfp8_weight_grad: bool = 
     blocked along N. Weight gradient dw = x^T @ dy over the rows C: bf16 operands
     with fp32 accumulation, or MXFP8 blocked along C when `mxfp8_weight_grad`.
     """
-    return mx_bmm(x_ExCxK, jnp.swapaxes(w_ExKxN, 1, 2), x_ExCxK.dtype)
+    qx, qw = jax.lax.stop_gradient(_quantized_operands(x_ExCxK, jnp.swapaxes(w_ExKxN, 1, 2)))
+    return _mx_linear(x_ExCxK, w_ExKxN, qx, qw, mxfp8_weight_grad)
 
 
-def _mx_linear_fwd(x, w, mxfp8_weight_grad):
-    return mx_linear(x, w, mxfp8_weight_grad), (x, w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _mx_linear(x, w, qx, qw, mxfp8_weight_grad):
+    return _gemm(qx, qw, x.dtype)
+
+
+def _mx_linear_fwd(x, w, qx, qw, mxfp8_weight_grad):
+    return _gemm(qx, qw, x.dtype), (x, w)
 
 
 def _mx_linear_bwd(mxfp8_weight_grad, res, dy_ExCxN):
@@ -134,23 +158,28 @@ def _mx_linear_bwd(mxfp8_weight_grad, res, dy_ExCxN):
     else:
         dw = jnp.einsum("ekc,enc->ekn", xt.astype(jnp.bfloat16), dyt.astype(jnp.bfloat16),
                         preferred_element_type=jnp.float32)
-    return _like_primal(dx, x), _like_primal(dw, w)
+    return _like_primal(dx, x), _like_primal(dw, w), None, None
 
 
-mx_linear.defvjp(_mx_linear_fwd, _mx_linear_bwd)
+_mx_linear.defvjp(_mx_linear_fwd, _mx_linear_bwd)
 
 
-@jax.custom_vjp
 def mx_ragged_linear(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
     """`lax.ragged_dot` (rows grouped contiguously per expert) with MXFP8 operands in the
     forward and the input gradient, bf16 weight gradients; emulated on every backend
     (no native block-scaled ragged GEMM is exposed)."""
-    return jax.lax.ragged_dot(fake_quantize(x_MxK, -1), fake_quantize(w_GxKxN, 1), group_sizes_G,
-                              preferred_element_type=jnp.float32).astype(x_MxK.dtype)
+    fx, fw = jax.lax.stop_gradient((fake_quantize(x_MxK, -1), fake_quantize(w_GxKxN, 1)))
+    return _mx_ragged_linear(x_MxK, w_GxKxN, group_sizes_G, fx, fw)
 
 
-def _mx_ragged_fwd(x, w, group_sizes):
-    return mx_ragged_linear(x, w, group_sizes), (x, w, group_sizes)
+@jax.custom_vjp
+def _mx_ragged_linear(x, w, group_sizes, fx, fw):
+    return jax.lax.ragged_dot(fx, fw, group_sizes,
+                              preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _mx_ragged_fwd(x, w, group_sizes, fx, fw):
+    return _mx_ragged_linear(x, w, group_sizes, fx, fw), (x, w, group_sizes)
 
 
 def _mx_ragged_bwd(res, dy_MxN):
@@ -162,7 +191,7 @@ def _mx_ragged_bwd(res, dy_MxN):
         lambda w_: jax.lax.ragged_dot(x.astype(jnp.bfloat16), w_.astype(jnp.bfloat16), group_sizes,
                                       preferred_element_type=jnp.float32), w)
     (dw,) = weight_vjp(dy_MxN.astype(jnp.float32))
-    return _like_primal(dx, x), _like_primal(dw, w), None
+    return _like_primal(dx, x), _like_primal(dw, w), None, None, None
 
 
-mx_ragged_linear.defvjp(_mx_ragged_fwd, _mx_ragged_bwd)
+_mx_ragged_linear.defvjp(_mx_ragged_fwd, _mx_ragged_bwd)

@@ -13,11 +13,13 @@ axis (a collective-permute between neighbouring stages) hands every activation
 to the next stage. Stage 0 reads micro-batch t mod M from a circular store that
 the last stage writes back into, so M >= S micro-batches go round V times in
 V M + S - 1 iterations: the bubble shrinks from (S - 1) / (M + S - 1) to
-(S - 1) / (V M + S - 1). Autodiff of the loop gives the backward pass; with
-remat on, each iteration keeps only its input buffers.
+(S - 1) / (V M + S - 1). Autodiff of the loop gives the backward pass; remat applies
+per layer, as in the plain scan: each iteration keeps only its layers' inputs.
 
 Router statistics of iterations where a stage holds no real micro-batch are
 masked out, so every MoE layer's losses and loads are those of the real data.
+A layer count that does not split evenly is padded with pass-through slots at
+the end of the model (`Config.moe_layer_slots`), masked the same way.
 """
 
 from __future__ import annotations
@@ -37,38 +39,46 @@ def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> 
 
 
 def layer_order(num_layers: int, stages: int, virtual_stages: int) -> np.ndarray:
-    """Model-order index of each stored MoE layer (identity when V = 1)."""
+    """Model-order index of each stored MoE layer slot (identity when V = 1)."""
     S, V = stages, virtual_stages
     per = num_layers // (S * V)
     s, v, j = np.meshgrid(np.arange(S), np.arange(V), np.arange(per), indexing="ij")
     return ((v * S + s) * per + j).reshape(-1)
 
 
+def stored_layer_order(cfg) -> np.ndarray:
+    """Model-order index of each stored slot of `cfg`'s MoE stack; pads are >= num_moe_layers."""
+    return layer_order(cfg.moe_layer_slots, max(cfg.mesh.stage, 1), cfg.pipeline.virtual_stages)
+
+
 def pipeline(stack, x_BxLxD, positions_BxL, mesh: Mesh, key, remat: str, microbatches: int,
-             virtual_stages: int = 1):
+             virtual_stages: int = 1, num_layers: int | None = None):
     """Runs the stacked MoE layers as S pipeline stages; returns (x, aux per layer).
 
-    aux comes back in model layer order.
+    aux comes back in model layer order. num_layers: the real layers; stored slots
+    past it (in model order) pass activations through.
     """
-    from jaxmoe.model.transformer import REMAT_POLICIES, scan_layers
+    from jaxmoe.model.transformer import scan_layers
 
     S, M, V = mesh.shape["stage"], microbatches, virtual_stages
     graphdef, state = nnx.split(stack)
     Lm = jax.tree.leaves(state)[0].shape[0]
     per = Lm // (S * V)
     stage_state = jax.tree.map(lambda a: a.reshape(S, V, per, *a.shape[1:]), state)
+    real = Lm if num_layers is None else num_layers
+    active_SxVxper = jnp.asarray(layer_order(Lm, S, V).reshape(S, V, per) < real)
     B, L, D = x_BxLxD.shape
     # Strided split: every micro-batch keeps rows on each data/expert device.
     store_MxbxLxD = x_BxLxD.reshape(B // M, M, L, D).swapaxes(0, 1)
     positions_bxL = positions_BxL[: B // M]
     buffer_spec = NamedSharding(mesh, P("stage", BATCH_AXES))
 
-    def stage_fn(chunks_V, round_, x_bxLxD, k):
-        layers = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, round_, keepdims=False),
-                              chunks_V)
-        return scan_layers(graphdef, layers, x_bxLxD, positions_bxL, mesh, k, "none")
+    def stage_fn(chunks_V, active_Vxper, round_, x_bxLxD, k):
+        pick = lambda a: jax.lax.dynamic_index_in_dim(a, round_, keepdims=False)  # noqa: E731
+        return scan_layers(graphdef, jax.tree.map(pick, chunks_V), x_bxLxD, positions_bxL,
+                           mesh, k, remat, active_N=None if real == Lm else pick(active_Vxper))
 
-    run_stages = jax.vmap(stage_fn, in_axes=(0, 0, 0, 0 if key is not None else None),
+    run_stages = jax.vmap(stage_fn, in_axes=(0, 0, 0, 0, 0 if key is not None else None),
                           spmd_axis_name="stage")
 
     def iteration(carry, t):
@@ -80,7 +90,7 @@ def pipeline(stack, x_BxLxD, positions_BxL, mesh: Mesh, key, remat: str, microba
         valid_S = (copy_S >= 0) & (copy_S < V * M)
         round_S = jnp.clip(copy_S // M, 0, V - 1)
         keys = None if key is None else jax.random.split(jax.random.fold_in(key, t), S)
-        out_SxbxLxD, aux = run_stages(stage_state, round_S, buffer_SxbxLxD, keys)
+        out_SxbxLxD, aux = run_stages(stage_state, active_SxVxper, round_S, buffer_SxbxLxD, keys)
         aux = jax.tree.map(
             lambda a: jnp.where(valid_S.reshape((S,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a)),
             aux)
@@ -91,8 +101,6 @@ def pipeline(stack, x_BxLxD, positions_BxL, mesh: Mesh, key, remat: str, microba
         # stage s's output feeds stage s + 1 next iteration (a collective-permute)
         return (jnp.roll(out_SxbxLxD, 1, axis=0), store), (aux, round_S)
 
-    if remat != "none":
-        iteration = jax.checkpoint(iteration, policy=REMAT_POLICIES[remat], prevent_cse=False)
     init = (jnp.zeros((S,) + store_MxbxLxD.shape[1:], x_BxLxD.dtype), store_MxbxLxD)
     (_, store), (aux, round_TxS) = jax.lax.scan(iteration, init, jnp.arange(V * M + S - 1))
     y_BxLxD = store.swapaxes(0, 1).reshape(B, L, D)  # the store ends holding round V-1's outputs
@@ -101,7 +109,7 @@ def pipeline(stack, x_BxLxD, positions_BxL, mesh: Mesh, key, remat: str, microba
 
     def per_layer(a):
         chunks = jnp.zeros((S, V) + a.shape[2:], a.dtype).at[stage_TxS, round_TxS].add(a)
-        return chunks.swapaxes(0, 1).reshape((Lm,) + a.shape[3:])
+        return chunks.swapaxes(0, 1).reshape((Lm,) + a.shape[3:])[:real]
 
     aux = jax.tree.map(per_layer, aux)
     for mean_key in ("balance_loss", "z_loss"):
