@@ -117,12 +117,22 @@ class Transformer(nnx.Module):
             x, aux = pipeline(self.moe_layers, x, positions_BxL, mesh, key, remat,
                               pipe.microbatches, pipe.virtual_stages)
         elif self.cfg.num_moe_layers:
-            graphdef, state = nnx.split(self.moe_layers)
-            if pipe.virtual_stages > 1:  # stored device-major: scan in model order
-                stored = np.argsort(layer_order(self.cfg.num_moe_layers, self.cfg.mesh.stage,
-                                                pipe.virtual_stages))
-                state = jax.tree.map(lambda a: a[stored], state)
+            graphdef, state = self.moe_stack()
             x, aux = scan_layers(graphdef, state, x, positions_BxL, mesh, key, remat)
-        x = self.final_norm(x)
-        logits = constrain_batch(jnp.einsum("bld,dv->blv", x, self.head[...].astype(x.dtype)), mesh)
-        return logits.astype(jnp.float32), aux
+        return self.logits(x, mesh), aux
+
+    def moe_stack(self) -> tuple[nnx.GraphDef, nnx.State]:
+        """The MoE layers' graphdef and stacked state, in model order."""
+        graphdef, state = nnx.split(self.moe_layers)
+        pipe = self.cfg.pipeline
+        if pipe.virtual_stages > 1:  # stored device-major
+            stored = np.argsort(layer_order(self.cfg.num_moe_layers, self.cfg.mesh.stage,
+                                            pipe.virtual_stages))
+            state = jax.tree.map(lambda a: a[stored], state)
+        return graphdef, state
+
+    def logits(self, x_BxLxD: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+        """Final norm and LM head: fp32 logits [B, L, V]."""
+        x_BxLxD = self.final_norm(x_BxLxD)
+        logits = jnp.einsum("bld,dv->blv", x_BxLxD, self.head[...].astype(x_BxLxD.dtype))
+        return constrain_batch(logits, mesh).astype(jnp.float32)
