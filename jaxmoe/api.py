@@ -84,7 +84,8 @@ def check_tokens(tokens_BxL: jax.Array, cfg: Config) -> None:
     if not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(f"tokens: expected integer token ids, got dtype {dtype}")
     if not isinstance(tokens_BxL, jax.core.Tracer):
-        lo, hi = int(np.min(tokens_BxL)), int(np.max(tokens_BxL))
+        ids = np.asarray(tokens_BxL)
+        lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= cfg.model.vocab_size:
             raise ValueError(f"tokens: ids must be in [0, model.vocab_size={cfg.model.vocab_size}), "
                              f"got min {lo}, max {hi}")
