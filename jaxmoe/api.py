@@ -85,9 +85,9 @@ def check_tokens(tokens_BxL: jax.Array, cfg: Config) -> None:
         raise ValueError(f"tokens: expected integer token ids, got dtype {dtype}")
     if not isinstance(tokens_BxL, jax.core.Tracer):
         ids = np.asarray(tokens_BxL)
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= cfg.model.vocab_size:
-            raise ValueError(f"tokens: ids must be in [0, model.vocab_size={cfg.model.vocab_size}), "
+        lo, hi, V = int(ids.min()), int(ids.max()), cfg.model.vocab_size
+        if lo < 0 or hi >= V:
+            raise ValueError(f"tokens: ids must be in [0, model.vocab_size={V}), "
                              f"got min {lo}, max {hi}")
 
 

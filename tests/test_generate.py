@@ -44,8 +44,8 @@ def test_kv_cache_equals_full_recompute(params):
             logits, cache, _ = kv_cache.forward(model, tokens_BxL[:, i:i + 1], cache, i)
             steps.append(logits)
         # the last token again, with an empty cache: what a broken cache would give
-        no_cache, _, _ = kv_cache.forward(model, tokens_BxL[:, 11:], kv_cache.init_cache(cfg, 2, 16),
-                                          11)
+        empty = kv_cache.init_cache(cfg, 2, 16)
+        no_cache, _, _ = kv_cache.forward(model, tokens_BxL[:, 11:], empty, 11)
         return jnp.concatenate(steps, axis=1), no_cache
 
     got_BxLxV, no_cache_Bx1xV = cached(params, tokens_BxL)

@@ -3,6 +3,7 @@
 import json
 import struct
 import sys
+import time
 
 import pytest
 
@@ -53,6 +54,9 @@ def test_wandb_offline_run(tmp_path):
     sink.log({"step": 2, "eval_ce": 2.5})
     sink.close()
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + 30
+    while b"eval_ce" not in run_file.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)  # wandb's service process writes the file after finish() returns
     data = run_file.read_bytes()
     for key in (b"loss", b"eval_ce", b"load_max_over_mean/layer1", b"expert_load/layer0"):
         assert key in data
