@@ -52,6 +52,17 @@ def save(manager: ocp.CheckpointManager, state: TrainState, data_state: dict, cf
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
 
+def locate(path: str | Path) -> tuple[Path, int | None]:
+    """A run directory, its checkpoints/ directory or one step's directory ->
+    (checkpoints directory, step or None for the latest)."""
+    directory = Path(path)
+    if (directory / "checkpoints").is_dir():
+        return directory / "checkpoints", None
+    if directory.name.isdigit():
+        return directory.parent, int(directory.name)
+    return directory, None
+
+
 def complete_steps(directory: str | Path) -> list[int]:
     """Steps with a committed checkpoint (orbax's temporary directories excluded)."""
     directory = Path(directory)

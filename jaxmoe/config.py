@@ -129,6 +129,9 @@ class CheckpointConfig:
 class LoggingConfig:
     log_every: int = 10
     progress: bool = True
+    tensorboard: bool = False  # also write TensorBoard event files to RUN_DIR/tensorboard
+    wandb: bool = False  # also log to an offline W&B run in RUN_DIR/wandb
+    wandb_project: str = "jaxmoe"
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,7 @@ def validate(c: Config) -> None:
     else:
         _require(m.vocab_size >= 256, "model.vocab_size", "byte-level corpora need at least 256")
     _require(c.logging.log_every > 0, "logging.log_every", "must be positive")
+    _require(bool(c.logging.wandb_project.strip()), "logging.wandb_project", "must not be empty")
     _require(c.checkpoint.keep > 0, "checkpoint.keep", "must keep at least one checkpoint")
     _require(t.max_bad_steps > 0, "train.max_bad_steps", "must be positive")
 

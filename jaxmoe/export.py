@@ -55,11 +55,7 @@ def named_tensors(params: nnx.State, cfg: Config) -> dict[str, tuple[np.ndarray,
 def export(checkpoint_path: str | Path, out: str | Path) -> dict[str, tuple]:
     from safetensors.numpy import save_file
 
-    directory, step = Path(checkpoint_path), None
-    if (directory / "checkpoints").is_dir():
-        directory = directory / "checkpoints"
-    elif directory.name.isdigit():
-        directory, step = directory.parent, int(directory.name)
+    directory, step = checkpoint.locate(checkpoint_path)
     step, meta = checkpoint.read_meta(directory, step)
     cfg = config_from_dict(meta["config"])
     # the saved layer layout, restored onto one device (named_tensors undoes the order)

@@ -1,4 +1,4 @@
-"""Where metrics go: a JSON-lines file and a progress bar."""
+"""Where metrics go: a JSON-lines file, a progress bar and the configured sinks."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ def to_python(metrics: dict) -> dict:
 
 
 class Monitor:
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: bool):
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: bool,
+                 sinks: list = ()):
         self.file = open(run_dir / "metrics.jsonl", "a")
+        self.sinks = list(sinks)  # see jaxmoe.sinks
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress,
                         dynamic_ncols=True, unit="step")
         self.balance_history: list[tuple[float, float]] = []
@@ -31,6 +33,8 @@ class Monitor:
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        for sink in self.sinks:
+            sink.log(record)
 
     def progress(self, steps: int, record: dict) -> None:
         text = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
@@ -58,3 +62,5 @@ class Monitor:
     def close(self) -> None:
         self.bar.close()
         self.file.close()
+        for sink in self.sinks:
+            sink.close()

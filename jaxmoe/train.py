@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 from absl import logging as absl_logging
 
-from jaxmoe import checkpoint
+from jaxmoe import checkpoint, sinks
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config, ConfigError, load_config
 from jaxmoe.data import BatchIterator, Corpus, DataError, heldout_batches, load_corpus
@@ -86,7 +86,8 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                             start_step=data_state["step"])
     eval_set = heldout_batches(corpus.heldout, t.batch_size, t.seq_len, t.eval_batches)
     manager = checkpoint.checkpoint_manager(run_dir, cfg)
-    monitor = Monitor(run_dir, t.steps, start, cfg.logging.progress)
+    monitor = Monitor(run_dir, t.steps, start, cfg.logging.progress,
+                      sinks.open_sinks(cfg, run_dir))
     summary = {"run_dir": str(run_dir.absolute())}
     if start:
         monitor.write(f"resumed from step {start} in {ckpt_dir}")
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         corpus = load_corpus(cfg.data.source, cfg.data.path, cfg.model.vocab_size,
                              cfg.train.seq_len, cfg.data.heldout_fraction, cfg.data.token_dtype)
         make_mesh(cfg.mesh)  # device-count errors before anything compiles
+        sinks.check_available(cfg)
         check_resumable(cfg, args.resume)
         train(cfg, corpus, stop_after=args.stop_after)
     except (ConfigError, DataError, CheckpointError, TooManyBadSteps) as e:

@@ -1,8 +1,35 @@
-"""Eight fake CPU devices for every test; set before jax is imported."""
+"""Eight fake CPU devices for every test, set before jax is imported; a shared tiny run."""
 
+import importlib.util
 import os
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A 4-step run of a tiny MoE made by the training code (dense dispatch, router
+    biases, TensorBoard events when tensorboardX is installed); returns its run dir."""
+    from jaxmoe.config import config_from_dict
+    from jaxmoe.data import load_corpus
+    from jaxmoe.train import train
+
+    run_dir = tmp_path_factory.mktemp("tiny_run")
+    cfg = config_from_dict({
+        "model": {"d_model": 32, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2,
+                  "num_dense_layers": 1, "mlp_hidden": 64},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "dispatcher": "dense",
+                "expert_bias": True},
+        "train": {"steps": 4, "batch_size": 8, "seq_len": 32, "eval_every": 0, "eval_batches": 2,
+                  "run_dir": str(run_dir)},
+        "optimizer": {"warmup_steps": 1},
+        "logging": {"log_every": 1, "progress": False,
+                    "tensorboard": importlib.util.find_spec("tensorboardX") is not None},
+    })
+    train(cfg, load_corpus("stdlib", None, 256, cfg.train.seq_len))
+    return run_dir

@@ -123,12 +123,20 @@ class Transformer(nnx.Module):
             x, aux = pipeline(self.moe_layers, x, positions_BxL, mesh, key, remat,
                               pipe.microbatches, pipe.virtual_stages, self.cfg.num_moe_layers)
         elif self.cfg.num_moe_layers:
-            graphdef, state = nnx.split(self.moe_layers)
-            order, Lm = stored_layer_order(self.cfg), self.cfg.num_moe_layers
-            if not np.array_equal(order, np.arange(Lm)):  # stored for a pipeline: model order
-                stored = np.argsort(order)[:Lm]
-                state = jax.tree.map(lambda a: a[stored], state)
+            graphdef, state = self.moe_stack()
             x, aux = scan_layers(graphdef, state, x, positions_BxL, mesh, key, remat)
-        x = self.final_norm(x)
-        logits = constrain_batch(jnp.einsum("bld,dv->blv", x, self.head[...].astype(x.dtype)), mesh)
-        return logits.astype(jnp.float32), aux
+        return self.logits(x, mesh), aux
+
+    def moe_stack(self) -> tuple[nnx.GraphDef, nnx.State]:
+        """The MoE layers' graphdef and stacked state, in model order."""
+        graphdef, state = nnx.split(self.moe_layers)
+        order, Lm = stored_layer_order(self.cfg), self.cfg.num_moe_layers
+        if not np.array_equal(order, np.arange(Lm)):  # stored for a pipeline, maybe padded
+            state = jax.tree.map(lambda a: a[np.argsort(order)[:Lm]], state)
+        return graphdef, state
+
+    def logits(self, x_BxLxD: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+        """Final norm and LM head: fp32 logits [B, L, V]."""
+        x_BxLxD = self.final_norm(x_BxLxD)
+        logits = jnp.einsum("bld,dv->blv", x_BxLxD, self.head[...].astype(x_BxLxD.dtype))
+        return constrain_batch(logits, mesh).astype(jnp.float32)

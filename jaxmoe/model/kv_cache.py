@@ -1,0 +1,70 @@
+"""Decoding with a KV cache: prefill a prompt, then feed one token at a time.
+
+The cache holds every layer's rotated keys and values in S slots, a static
+maximum length, so decoding compiles once per (batch, S). A query at position p
+attends to the slots 0..p; slots not yet written are masked out. `forward` runs
+the same blocks as `Transformer.__call__` with causal attention over the cache
+instead of over the call's own tokens.
+
+Shapes: B batch, L tokens of this call, S cache slots, G kv heads, Hd head size,
+N layers of one stack.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.config import Config
+from jaxmoe.model.transformer import Block, Transformer
+
+Cache = dict[str, tuple[jax.Array, jax.Array]]  # stack name -> (k, v) [N, B, S, G, Hd]
+
+
+def init_cache(cfg: Config, batch: int, slots: int) -> Cache:
+    m = cfg.model
+    stacks = {"dense_layers": m.num_dense_layers, "moe_layers": cfg.num_moe_layers}
+    dtype = jnp.dtype(m.compute_dtype)
+    return {name: (jnp.zeros((n, batch, slots, m.num_kv_heads, m.head_size), dtype),) * 2
+            for name, n in stacks.items() if n}
+
+
+def _block(block: Block, x_BxLxD, positions_BxL, k_BxSxGxHd, v_BxSxGxHd, start):
+    q, k_new, v_new = block.attn.qkv(block.attn_norm(x_BxLxD), positions_BxL)
+    k_BxSxGxHd = jax.lax.dynamic_update_slice_in_dim(k_BxSxGxHd, k_new, start, axis=1)
+    v_BxSxGxHd = jax.lax.dynamic_update_slice_in_dim(v_BxSxGxHd, v_new, start, axis=1)
+    S = k_BxSxGxHd.shape[1]
+    mask_Bx1xLxS = (positions_BxL[:, :, None] >= jnp.arange(S))[:, None]
+    o = jax.nn.dot_product_attention(q, k_BxSxGxHd, v_BxSxGxHd, mask=mask_Bx1xLxS)
+    x_BxLxD = x_BxLxD + block.attn.out(o)
+    h = block.mlp_norm(x_BxLxD)
+    y, aux = block.moe(h) if block.use_moe else (block.mlp(h), {})
+    return x_BxLxD + y, k_BxSxGxHd, v_BxSxGxHd, aux
+
+
+def forward(model: Transformer, tokens_BxL: jax.Array, cache: Cache,
+            start: jax.Array | int) -> tuple[jax.Array, Cache, dict]:
+    """Logits [B, L, V] for tokens at positions start..start+L-1, the cache with
+    their keys and values written, and the MoE layers' aux (as `Transformer`)."""
+    B, L = tokens_BxL.shape
+    positions_BxL = start + jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    x = model.embed[...][tokens_BxL].astype(jnp.dtype(model.cfg.model.compute_dtype))
+    new_cache, aux = {}, {}
+    for name, (k, v) in cache.items():
+        if name == "moe_layers":
+            graphdef, state = model.moe_stack()
+        else:
+            graphdef, state = nnx.split(model.dense_layers)
+
+        def body(x, layer):
+            layer_state, k, v = layer
+            x, k, v, layer_aux = _block(nnx.merge(graphdef, layer_state), x, positions_BxL, k, v,
+                                        start)
+            return x, (k, v, layer_aux)
+
+        x, (k, v, layer_aux) = jax.lax.scan(body, x, (state, k, v))
+        new_cache[name] = (k, v)
+        if name == "moe_layers":
+            aux = layer_aux
+    return model.logits(x), new_cache, aux

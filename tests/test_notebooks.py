@@ -1,0 +1,34 @@
+"""Every notebook runs top to bottom, shows its plots inline, and is stored without outputs."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_notebooks_are_shipped_without_outputs():
+    assert {p.stem for p in NOTEBOOKS} == {"quickstart", "routing_explorer", "parallelism"}
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, path.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path):
+    nb = nbformat.read(path, as_version=4)
+    # as a user's kernel would start: one CPU device unless the notebook asks for more
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}}).execute(env=env)
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs), "no inline plot"
