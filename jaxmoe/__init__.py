@@ -1,7 +1,18 @@
-"""jaxmoe: Mixture-of-Experts language-model training in JAX."""
+"""jaxmoe: Mixture-of-Experts language-model training in JAX.
 
-from jaxmoe.api import apply, init, init_moe_layer, load_params, moe_layer, moe_layer_params
+The pure-function API is imported on first use, so `import jaxmoe.config` (and the
+planner, which must set the fake device count first) does not start JAX.
+"""
+
 from jaxmoe.config import Config, config_from_dict, load_config
 
-__all__ = ["Config", "apply", "config_from_dict", "init", "init_moe_layer", "load_config",
-           "load_params", "moe_layer", "moe_layer_params"]
+_API = ("apply", "init", "init_moe_layer", "load_params", "moe_layer", "moe_layer_params")
+
+__all__ = ["Config", "config_from_dict", "load_config", *_API]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from jaxmoe import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'jaxmoe' has no attribute {name!r}")

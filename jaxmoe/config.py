@@ -37,6 +37,10 @@ class ModelConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    # 0: jax.nn.dot_product_attention (cuDNN's fused kernel on GPU, the whole L x L
+    # score matrix elsewhere); N: blocks of N queries x N keys with an online
+    # softmax, so memory grows with L * N (long sequences without a fused kernel)
+    attention_block: int = 0
 
     @property
     def head_size(self) -> int:
@@ -111,6 +115,9 @@ class TrainConfig:
     seq_len: int = 256
     microbatches: int = 1  # gradient accumulation: batch is split into this many
     remat: Literal["none", "full", "matmuls"] = "none"
+    # 0: logits for the whole sequence at once; N: the LM head and cross-entropy run
+    # N positions at a time (recomputed in the backward), never holding B x L x V logits
+    loss_chunk: int = 0
     seed: int = 0
     eval_every: int = 100  # 0: only at the end
     eval_batches: int = 8
@@ -190,6 +197,12 @@ def validate(c: Config) -> None:
         _require(m.d_model % m.num_heads == 0, "model.d_model",
                  f"{m.d_model} is not divisible by num_heads={m.num_heads} (or set model.head_dim)")
     _require(m.head_size % 2 == 0, "model.head_dim", f"RoPE needs an even head size, got {m.head_size}")
+    if m.attention_block:
+        _require(t.seq_len % m.attention_block == 0, "model.attention_block",
+                 f"{m.attention_block} does not divide train.seq_len={t.seq_len}")
+    if t.loss_chunk:
+        _require(t.seq_len % t.loss_chunk == 0, "train.loss_chunk",
+                 f"{t.loss_chunk} does not divide train.seq_len={t.seq_len}")
     _require(m.num_dense_layers <= m.num_layers, "model.num_dense_layers",
              f"{m.num_dense_layers} exceeds num_layers={m.num_layers}")
     if m.num_dense_layers:

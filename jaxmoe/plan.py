@@ -57,13 +57,18 @@ def plan(config_path: str, overrides: list[str], device: str, mfu: float) -> dic
     from jaxmoe.sharding import make_mesh
     from jaxmoe.step import build_steps
 
-    notes = []
+    # what XLA:CPU cannot compile, or would compile far bigger than a GPU runs it
+    notes, stand_ins = [], []
     cfg = load_config(config_path, overrides)
-    if cfg.moe.dispatcher == "ragged":  # XLA:CPU cannot compile ragged-all-to-all
-        cfg = load_config(config_path, overrides + ["moe.dispatcher=alltoall",
-                                                    "moe.capacity_factor=1.0"])
+    if cfg.moe.dispatcher == "ragged":
+        stand_ins += ["moe.dispatcher=alltoall", "moe.capacity_factor=1.0"]
         notes.append("compiled with the alltoall dispatcher at capacity 1.0 in place of ragged "
                      "(CPU has no ragged-all-to-all; same tokens moved at uniform load)")
+    if not cfg.model.attention_block and cfg.train.seq_len % 512 == 0:
+        stand_ins.append("model.attention_block=512")
+        notes.append("attention compiled blockwise (512 x 512 score blocks) in place of the GPU's "
+                     "fused kernel: neither holds the L x L scores, as XLA:CPU's would")
+    cfg = load_config(config_path, overrides + stand_ins)
     mesh = make_mesh(cfg.mesh)
     steps = build_steps(cfg, mesh)
     target = checkpoint.abstract_target(steps)

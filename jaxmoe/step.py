@@ -129,8 +129,8 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
 
     def loss_fn(params, buffers, tokens_BxL1, key, step=None):
         model = nnx.merge(graphdef, working_copy(cfg, mesh, params, use_specs), buffers)
-        logits, aux = model(tokens_BxL1[:, :-1], mesh=mesh, key=key, remat=cfg.train.remat)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxL1[:, 1:]).mean()
+        x, aux = model.hidden(tokens_BxL1[:, :-1], mesh=mesh, key=key, remat=cfg.train.remat)
+        ce = model.cross_entropy(x, tokens_BxL1[:, 1:], mesh, cfg.train.loss_chunk)
         loss = ce
         if loss_hook is not None and step is not None:  # training only, not eval
             loss = loss_hook(loss, step)

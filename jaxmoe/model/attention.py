@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config import ModelConfig
+from jaxmoe.model.blockwise_attention import blockwise_attention
 from jaxmoe.model.layers import param, rms_norm, rope
 
 
@@ -38,6 +39,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
         q, k, v = self.qkv(x_BxLxD, positions_BxL)
+        if self.cfg.attention_block:
+            return self.out(blockwise_attention(q, k, v, self.cfg.attention_block))
         # jax.nn.dot_product_attention handles GQA (H a multiple of G) and picks
         # the fused cuDNN kernel on GPU.
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True)

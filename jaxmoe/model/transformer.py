@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -110,6 +111,12 @@ class Transformer(nnx.Module):
         `key` enables training-time randomness (router jitter); `mesh` is needed
         by the expert-parallel dispatchers only.
         """
+        x_BxLxD, aux = self.hidden(tokens_BxL, mesh=mesh, key=key, remat=remat)
+        return self.logits(x_BxLxD, mesh), aux
+
+    def hidden(self, tokens_BxL: jax.Array, *, mesh: Mesh | None = None,
+               key: jax.Array | None = None, remat: str = "none") -> tuple[jax.Array, dict]:
+        """The last block's output [B, L, D] (before the final norm) and aux."""
         m = self.cfg.model
         B, L = tokens_BxL.shape
         positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
@@ -125,7 +132,7 @@ class Transformer(nnx.Module):
         elif self.cfg.num_moe_layers:
             graphdef, state = self.moe_stack()
             x, aux = scan_layers(graphdef, state, x, positions_BxL, mesh, key, remat)
-        return self.logits(x, mesh), aux
+        return x, aux
 
     def moe_stack(self) -> tuple[nnx.GraphDef, nnx.State]:
         """The MoE layers' graphdef and stacked state, in model order."""
@@ -140,3 +147,26 @@ class Transformer(nnx.Module):
         x_BxLxD = self.final_norm(x_BxLxD)
         logits = jnp.einsum("bld,dv->blv", x_BxLxD, self.head[...].astype(x_BxLxD.dtype))
         return constrain_batch(logits, mesh).astype(jnp.float32)
+
+    def cross_entropy(self, x_BxLxD: jax.Array, targets_BxL: jax.Array, mesh: Mesh | None = None,
+                      chunk: int = 0) -> jax.Array:
+        """Mean next-token cross-entropy from `hidden`'s output. chunk > 0: the head
+        runs `chunk` positions at a time, recomputed in the backward pass, so only
+        [B, chunk, V] logits exist at once."""
+        B, L, D = x_BxLxD.shape
+        if not chunk or chunk >= L:
+            logits = self.logits(x_BxLxD, mesh)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxL).mean()
+
+        @jax.checkpoint
+        def chunk_ce(total, xs):
+            x_BxCxD, targets_BxC = xs
+            logits = self.logits(x_BxCxD, mesh)
+            return total + optax.softmax_cross_entropy_with_integer_labels(
+                logits, targets_BxC).sum(), None
+
+        n = L // chunk
+        xs = (x_BxLxD.reshape(B, n, chunk, D).swapaxes(0, 1),
+              targets_BxL.reshape(B, n, chunk).swapaxes(0, 1))
+        total, _ = jax.lax.scan(chunk_ce, jnp.zeros((), jnp.float32), xs)
+        return total / (B * L)
