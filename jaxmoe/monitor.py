@@ -1,4 +1,4 @@
-"""Where metrics go: a JSON-lines file and a progress bar."""
+"""Where metrics go: a JSON-lines file and a progress bar (process 0's; other processes stay quiet)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,18 @@ def to_python(metrics: dict) -> dict:
 
 
 class Monitor:
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: bool):
-        self.file = open(run_dir / "metrics.jsonl", "a")
-        self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress,
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: bool,
+                 active: bool = True):
+        self.active = active
+        self.file = open(run_dir / "metrics.jsonl", "a") if active else None
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not (progress and active),
                         dynamic_ncols=True, unit="step")
         self.balance_history: list[tuple[float, float]] = []
         self.flagged = False
 
     def log(self, record: dict) -> None:
+        if not self.active:
+            return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 
@@ -53,8 +57,10 @@ class Monitor:
         self.flagged = warning is not None
 
     def write(self, line: str) -> None:
-        self.bar.write(line)
+        if self.active:
+            self.bar.write(line)
 
     def close(self) -> None:
         self.bar.close()
-        self.file.close()
+        if self.active:
+            self.file.close()
