@@ -146,6 +146,16 @@ def layout(batch_sharding: NamedSharding, batch_size: int) -> str:
             f"{shape}; of each batch of {batch_size}: {blocks}")
 
 
+def check_same(value: int, what: str) -> None:
+    """Raises unless every process holds the same `value` (a collective: all must call it)."""
+    if jax.process_count() == 1:
+        return
+    values = multihost_utils.process_allgather(np.int32(value)).tolist()
+    if len(set(values)) > 1:
+        raise DistributedError(f"processes disagree on {what}: "
+                               + ", ".join(f"process {i} has {v}" for i, v in enumerate(values)))
+
+
 def any_process(flag: bool) -> bool:
     """True on every process if it is true on any (a collective: all must call it)."""
     if jax.process_count() == 1:

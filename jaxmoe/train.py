@@ -85,7 +85,10 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     steps = build_steps(cfg, make_mesh(cfg.mesh), loss_hook)
     run_dir = Path(t.run_dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir)
-    if checkpoint.complete_steps(ckpt_dir):
+    saved = checkpoint.complete_steps(ckpt_dir)
+    distributed.check_same(saved[-1] if saved else -1, f"the latest checkpoint step in {ckpt_dir} "
+                           "(-1: none); the run directory must be shared by all processes")
+    if saved:
         state, data_state = checkpoint.restore(ckpt_dir, steps)
         start = int(state.step)
     else:
