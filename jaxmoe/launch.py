@@ -83,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
                                               args.devices_per_process),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(args.num_processes)]
+    print(f"jaxmoe.launch: {args.num_processes} processes x {args.devices_per_process} CPU "
+          f"devices, coordinator 127.0.0.1:{port}, pids "
+          + " ".join(str(p.pid) for p in procs), flush=True)
     readers = [threading.Thread(target=_stream, args=(i, p, lock), daemon=True)
                for i, p in enumerate(procs)]
     for r in readers:
         r.start()
-    print(f"jaxmoe.launch: {args.num_processes} processes x {args.devices_per_process} CPU "
-          f"devices, coordinator 127.0.0.1:{port}, pids "
-          + " ".join(str(p.pid) for p in procs), flush=True)
     # a stop request reaches every process, which then save and leave together
     forward = lambda signum, frame: [p.send_signal(signum) for p in procs if p.poll() is None]  # noqa: E731
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
