@@ -278,6 +278,16 @@ def test_a_dead_process_stops_the_other(tmp_path, victim, message):
 
 
 @pytest.mark.slow
+def test_a_process_that_never_joins_stops_the_other(tmp_path):
+    start = time.time()
+    (proc,) = _start_processes([tmp_path], TINY, peer_timeout=3)  # process 0 of 2, alone
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode != 0 and time.time() - start < 3 + 40
+    assert "DEADLINE_EXCEEDED" in err and "RegisterTask" in err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
 def test_unshared_run_directory_is_refused(one_process, tmp_path):
     """Each process must see the same checkpoints, or they would restore different states."""
     _copy_checkpoint(one_process, tmp_path / "a", 2)
