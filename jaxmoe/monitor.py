@@ -1,4 +1,5 @@
-"""Where metrics go: a JSON-lines file, a progress bar and the configured sinks."""
+"""Where metrics go: a JSON-lines file, a progress bar and the configured sinks
+(process 0's; other processes stay quiet)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,18 @@ def to_python(metrics: dict) -> dict:
 
 class Monitor:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: bool,
-                 sinks: list = ()):
-        self.file = open(run_dir / "metrics.jsonl", "a")
+                 sinks: list = (), active: bool = True):
+        self.active = active
+        self.file = open(run_dir / "metrics.jsonl", "a") if active else None
         self.sinks = list(sinks)  # see jaxmoe.sinks
-        self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress,
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not (progress and active),
                         dynamic_ncols=True, unit="step")
         self.balance_history: list[tuple[float, float]] = []
         self.flagged = False
 
     def log(self, record: dict) -> None:
+        if not self.active:
+            return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         for sink in self.sinks:
@@ -57,10 +61,12 @@ class Monitor:
         self.flagged = warning is not None
 
     def write(self, line: str) -> None:
-        self.bar.write(line)
+        if self.active:
+            self.bar.write(line)
 
     def close(self) -> None:
         self.bar.close()
-        self.file.close()
+        if self.active:
+            self.file.close()
         for sink in self.sinks:
             sink.close()

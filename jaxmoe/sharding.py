@@ -1,8 +1,9 @@
 """The device mesh and the rules that place every tensor on it.
 
 Mesh axes: `data` (replicas), `stage` (pipeline stages), `expert` (experts split
-across devices; outside MoE layers also a batch axis). `expert` is innermost so
-that an expert group is made of adjacent devices (the fast links of one host).
+across devices; outside MoE layers also a batch axis). `expert` is innermost and
+devices are ordered host by host, so that an expert group (and a pipeline) is
+made of adjacent devices of one host, on its fast links.
 
 Parameters carry logical axis names (`layers`, `vocab`, `embed`, `heads`, ...);
 one table per parallel mode maps them to mesh axes.
@@ -11,6 +12,7 @@ one table per parallel mode maps them to mesh axes.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 import jax
@@ -35,8 +37,10 @@ _FSDP = {**_DDP, "embed": "data"}
 RULES: dict[str, dict[str, str]] = {"ddp": _DDP, "fsdp": _FSDP}
 
 
-def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
+def mesh_shape(cfg: MeshConfig, num_devices: int, num_processes: int = 1) -> dict[str, int]:
     """Resolves -1 and checks the product against the devices present."""
+    present = (f"{num_devices} are present" if num_processes == 1 else
+               f"the {num_processes} processes hold {num_devices} together")
     shape = {"data": cfg.data, "stage": cfg.stage, "expert": cfg.expert}
     known = math.prod(v for v in shape.values() if v != -1)
     for axis, v in shape.items():
@@ -48,15 +52,37 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
     if math.prod(shape.values()) != num_devices:
         raise ConfigError(f"mesh: data={shape['data']} x stage={shape['stage']} x "
                           f"expert={shape['expert']} = {math.prod(shape.values())} devices, "
-                          f"but {num_devices} are present")
+                          f"but {present}")
     return shape
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     devices = jax.devices() if devices is None else devices
-    shape = mesh_shape(cfg, len(devices))
-    return jax.make_mesh(tuple(shape[a] for a in AXES), AXES,
-                         axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    shape = mesh_shape(cfg, len(devices), len({d.process_index for d in devices}))
+    return Mesh(device_grid(shape, devices), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def device_grid(shape: dict[str, int], devices: list) -> np.ndarray:
+    """Devices host by host, reshaped to (data, stage, expert).
+
+    With `data` outermost, each host's devices fill whole stage x expert groups
+    when their count is a multiple of the group's; a group larger than a host
+    spans whole adjacent hosts (its all-to-all then crosses the network).
+    """
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    per_process = Counter(d.process_index for d in devices)
+    group = shape["stage"] * shape["expert"]
+    if len(per_process) > 1:
+        counts = sorted(set(per_process.values()))
+        if len(counts) > 1:
+            raise ConfigError(f"mesh: processes hold different numbers of devices {counts}; "
+                              "every process must bring the same number")
+        local = counts[0]
+        if local % group and group % local:
+            raise ConfigError(f"mesh: stage x expert = {group} devices neither divides the "
+                              f"{local} devices of each process nor is a multiple of it, so "
+                              "expert groups would straddle processes unevenly")
+    return np.array(devices, dtype=object).reshape(tuple(shape[a] for a in AXES))
 
 
 def check_divisibility(cfg: Config, mesh: Mesh) -> None:
@@ -128,6 +154,19 @@ def named(mesh: Mesh, specs: Any) -> Any:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def process_rows(sharding: NamedSharding, batch_size: int) -> tuple[int, int]:
+    """(index, count): this process's devices hold block `index` of `count` equal,
+    contiguous blocks of a batch's rows (processes on one replica share a block)."""
+    slices = {(s.start or 0, s.stop or batch_size) for s, *_ in
+              sharding.addressable_devices_indices_map((batch_size,)).values()}
+    lo, hi = min(a for a, _ in slices), max(b for _, b in slices)
+    rows = hi - lo
+    if sum(b - a for a, b in slices) != rows or batch_size % rows or lo % rows:
+        raise ConfigError(f"mesh: this process's devices hold batch rows {sorted(slices)}, "
+                          "not one contiguous block; order the mesh host by host")
+    return lo // rows, batch_size // rows
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

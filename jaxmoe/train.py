@@ -1,7 +1,8 @@
 """python -m jaxmoe.train --config configs/tiny.yaml [--set section.key=value ...] [--resume]
 
 A run resumes by itself from the latest complete checkpoint in its run
-directory; `--resume` insists that there is one.
+directory; `--resume` insists that there is one. The same command runs as one of
+several processes (see `jaxmoe.distributed`); process 0 writes the logs.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import numpy as np
 import yaml
 from absl import logging as absl_logging
 
-from jaxmoe import checkpoint, sinks
+from jaxmoe import checkpoint, distributed, sinks
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config, ConfigError, load_config
 from jaxmoe.data import BatchIterator, Corpus, DataError, heldout_batches, load_corpus
+from jaxmoe.distributed import DistributedError
 from jaxmoe.monitor import Monitor, to_python
-from jaxmoe.sharding import make_mesh
+from jaxmoe.sharding import make_mesh, process_rows
 from jaxmoe.step import build_steps
 
 
@@ -31,8 +33,14 @@ class TooManyBadSteps(RuntimeError):
     pass
 
 
+def global_batch(steps, rows_bxL1: np.ndarray) -> jax.Array:
+    """The global batch, sharded for the step, from this process's rows of it."""
+    shape = (steps.cfg.train.batch_size, rows_bxL1.shape[1])
+    return jax.make_array_from_process_local_data(steps.batch_sharding, rows_bxL1, shape)
+
+
 def evaluate(steps, state, batches: list[np.ndarray]) -> float:
-    ces = [steps.eval_step(state, jax.device_put(b, steps.batch_sharding))["ce"] for b in batches]
+    ces = [steps.eval_step(state, global_batch(steps, b))["ce"] for b in batches]
     return float(np.mean(jax.device_get(ces)))
 
 
@@ -48,7 +56,10 @@ def check_resumable(cfg: Config, require: bool) -> None:
 
 
 class StopSignals:
-    """SIGTERM / SIGINT end the run after the current step, with a final checkpoint."""
+    """SIGTERM / SIGINT end the run after the current step, with a final checkpoint.
+
+    Several processes must stop at the same step: they compare notes at logged steps.
+    """
 
     def __enter__(self):
         self.received = None
@@ -74,20 +85,30 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     steps = build_steps(cfg, make_mesh(cfg.mesh), loss_hook)
     run_dir = Path(t.run_dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir)
-    if checkpoint.complete_steps(ckpt_dir):
+    saved = checkpoint.complete_steps(ckpt_dir)
+    distributed.check_same(saved[-1] if saved else -1, f"the latest checkpoint step in {ckpt_dir} "
+                           "(-1: none); the run directory must be shared by all processes")
+    if saved:
         state, data_state = checkpoint.restore(ckpt_dir, steps)
         start = int(state.step)
     else:
         state, data_state, start = steps.init(jax.random.PRNGKey(t.seed)), {"step": 0}, 0
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    main = distributed.is_main()
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
+    block, blocks = process_rows(steps.batch_sharding, t.batch_size)
     batches = BatchIterator(corpus.train, t.batch_size, t.seq_len, seed=t.seed,
+                            process_index=block, process_count=blocks,
                             start_step=data_state["step"])
-    eval_set = heldout_batches(corpus.heldout, t.batch_size, t.seq_len, t.eval_batches)
+    eval_set = heldout_batches(corpus.heldout, t.batch_size, t.seq_len, t.eval_batches,
+                               process_index=block, process_count=blocks)
     manager = checkpoint.checkpoint_manager(run_dir, cfg)
     monitor = Monitor(run_dir, t.steps, start, cfg.logging.progress,
-                      sinks.open_sinks(cfg, run_dir))
+                      sinks.open_sinks(cfg, run_dir) if main else [], active=main)
+    if jax.process_count() > 1:
+        monitor.write(distributed.layout(steps.batch_sharding, t.batch_size))
     summary = {"run_dir": str(run_dir.absolute())}
     if start:
         monitor.write(f"resumed from step {start} in {ckpt_dir}")
@@ -99,7 +120,7 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     with StopSignals() as signals:
         for step in range(start + 1, end + 1):
-            state, metrics = steps.train_step(state, jax.device_put(next(batches), steps.batch_sharding))
+            state, metrics = steps.train_step(state, global_batch(steps, next(batches)))
             if step % cfg.logging.log_every == 0 or step == end:
                 record = {"step": step, **to_python(metrics)}  # waits for this step
                 now = time.perf_counter()
@@ -118,8 +139,9 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                 monitor.log({"step": step, "eval_ce": evaluate(steps, state, eval_set)})
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != end:
                 checkpoint.save(manager, state, batches.state(), cfg)
-            if signals.received:
-                stop = signals.received
+            check = jax.process_count() == 1 or step % cfg.logging.log_every == 0
+            if check and distributed.any_process(signals.received is not None):
+                stop = signals.received or "a signal to another process"
                 break
     if int(state.step) not in (manager.all_steps() or []):
         checkpoint.save(manager, state, batches.state(), cfg)
@@ -128,14 +150,16 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     if stop or int(state.step) < t.steps:
         monitor.close()
         why = f"on {stop}" if stop else f"after {stop_after} steps (--stop-after)"
-        print(f"stopped {why} at step {int(state.step)}; checkpoint in {ckpt_dir}")
+        if main:
+            print(f"stopped {why} at step {int(state.step)}; checkpoint in {ckpt_dir}")
         return summary
     final_eval = evaluate(steps, state, eval_set)
     monitor.log({"step": t.steps, "eval_ce": final_eval})
     monitor.close()
     summary["heldout_loss"] = final_eval
-    print(f"held-out loss {final_eval:.4f}; outputs in {run_dir.absolute()} "
-          "(metrics.jsonl, config.yaml, checkpoints/)")
+    if main:
+        print(f"held-out loss {final_eval:.4f}; outputs in {run_dir.absolute()} "
+              "(metrics.jsonl, config.yaml, checkpoints/)")
     return summary
 
 
@@ -148,9 +172,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="require a checkpoint in the run directory to resume from")
     parser.add_argument("--stop-after", type=int, default=None, metavar="N",
                         help="leave after N steps of this process, with a checkpoint")
+    distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's routine notices
     try:
+        distributed.initialize(distributed.settings(args))
         cfg = load_config(args.config, args.set)
         corpus = load_corpus(cfg.data.source, cfg.data.path, cfg.model.vocab_size,
                              cfg.train.seq_len, cfg.data.heldout_fraction, cfg.data.token_dtype)
@@ -158,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         sinks.check_available(cfg)
         check_resumable(cfg, args.resume)
         train(cfg, corpus, stop_after=args.stop_after)
-    except (ConfigError, DataError, CheckpointError, TooManyBadSteps) as e:
+    except (DistributedError, ConfigError, DataError, CheckpointError, TooManyBadSteps) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
