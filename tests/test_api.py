@@ -177,3 +177,34 @@ def test_load_params_from_training_checkpoint(tiny_run):
     assert y.shape == (1, 3, 32)
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         jaxmoe.load_params(tiny_run / "nowhere")
+
+
+def test_load_params_from_a_padded_circular_pipeline(tmp_path):
+    """Pipelines store MoE layers by stage, padded to equal chunks: load_params must
+    hand back model order without the padding."""
+    from jaxmoe import checkpoint
+    from jaxmoe.config import config_from_dict
+    from jaxmoe.parallel.pipeline import stored_layer_order
+    cfg = config_from_dict({
+        "model": {"d_model": 32, "num_layers": 7, "num_heads": 4, "num_kv_heads": 2,
+                  "num_dense_layers": 1, "mlp_hidden": 64},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "dispatcher": "dense",
+                "expert_bias": True},
+        "mesh": {"data": 4, "stage": 2},
+        "pipeline": {"microbatches": 2, "schedule": "circular", "virtual_stages": 2},
+        "train": {"steps": 4, "batch_size": 8, "seq_len": 16, "run_dir": str(tmp_path)},
+        "optimizer": {"warmup_steps": 1}})
+    assert cfg.moe_layer_slots == 8 and cfg.num_moe_layers == 6
+    assert not np.array_equal(stored_layer_order(cfg)[:6], np.arange(6))  # teeth
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    state = steps.init(jax.random.PRNGKey(5))
+    manager = checkpoint.checkpoint_manager(tmp_path, cfg)
+    checkpoint.save(manager, state, {"step": 0}, cfg)
+    manager.wait_until_finished()
+    tokens = jax.random.randint(jax.random.key(6), (8, 16), 0, 256)
+    ref, _ = jax.jit(lambda s, t: nnx.merge(steps.graphdef, s.params, s.buffers)(
+        t, mesh=steps.mesh))(state, jax.device_put(tokens, steps.batch_sharding))
+    params, local = jaxmoe.load_params(tmp_path)
+    assert jax.tree.leaves(params["moe_layers"])[0].shape[0] == 6
+    got, _ = jaxmoe.apply(params, tokens, local)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)

@@ -13,8 +13,9 @@ axis (a collective-permute between neighbouring stages) hands every activation
 to the next stage. Stage 0 reads micro-batch t mod M from a circular store that
 the last stage writes back into, so M >= S micro-batches go round V times in
 V M + S - 1 iterations: the bubble shrinks from (S - 1) / (M + S - 1) to
-(S - 1) / (V M + S - 1). Autodiff of the loop gives the backward pass; remat applies
-per layer, as in the plain scan: each iteration keeps only its layers' inputs.
+(S - 1) / (V M + S - 1). Autodiff of the loop gives the backward pass. With remat on, each
+iteration keeps only its input buffers (not the weights it sliced for its round),
+and recomputing an iteration rematerialises its layers one at a time again.
 
 Router statistics of iterations where a stage holds no real micro-batch are
 masked out, so every MoE layer's losses and loads are those of the real data.
@@ -58,7 +59,7 @@ def pipeline(stack, x_BxLxD, positions_BxL, mesh: Mesh, key, remat: str, microba
     aux comes back in model layer order. num_layers: the real layers; stored slots
     past it (in model order) pass activations through.
     """
-    from jaxmoe.model.transformer import scan_layers
+    from jaxmoe.model.transformer import REMAT_POLICIES, scan_layers
 
     S, M, V = mesh.shape["stage"], microbatches, virtual_stages
     graphdef, state = nnx.split(stack)
@@ -101,6 +102,8 @@ def pipeline(stack, x_BxLxD, positions_BxL, mesh: Mesh, key, remat: str, microba
         # stage s's output feeds stage s + 1 next iteration (a collective-permute)
         return (jnp.roll(out_SxbxLxD, 1, axis=0), store), (aux, round_S)
 
+    if remat != "none":  # else every iteration would keep its chunk's sliced weights
+        iteration = jax.checkpoint(iteration, policy=REMAT_POLICIES[remat], prevent_cse=False)
     init = (jnp.zeros((S,) + store_MxbxLxD.shape[1:], x_BxLxD.dtype), store_MxbxLxD)
     (_, store), (aux, round_TxS) = jax.lax.scan(iteration, init, jnp.arange(V * M + S - 1))
     y_BxLxD = store.swapaxes(0, 1).reshape(B, L, D)  # the store ends holding round V-1's outputs
