@@ -302,12 +302,20 @@ def _one_device_step(config: str, overrides: list[str]):
     return run, cfg
 
 
-def _matmul_case(n: int, dtype) -> tuple[Callable[[], object], float]:
-    """(thunk of one [n, n] x [n, n] matmul, its FLOPs)."""
+def _matmul_case(n: int, dtype, chain: int = 16) -> tuple[Callable[[], object], float]:
+    """(thunk of `chain` dependent [n, n] x [n, n] matmuls in one program, their FLOPs).
+
+    A chain long enough to time like a train step, so both see the same machine.
+    """
     ka, kb = jax.random.split(jax.random.key(0))
-    a, b = (jax.random.normal(k, (n, n), dtype) for k in (ka, kb))
-    mm = jax.jit(jnp.matmul)
-    return lambda: mm(a, b), 2.0 * n ** 3
+    a = jax.random.normal(ka, (n, n), dtype)
+    b = jax.random.normal(kb, (n, n), dtype) / n ** 0.5  # keeps the chain's scale
+
+    @jax.jit
+    def matmuls(a, b):
+        return jax.lax.fori_loop(0, chain, lambda _, c: c @ b, a)
+
+    return lambda: matmuls(a, b), 2.0 * n ** 3 * chain
 
 
 def _small_model_args(p: argparse.ArgumentParser) -> None:
