@@ -48,8 +48,9 @@ class Monitor:
             text["load"] = (f"L{worst} max/mean {record['load_max_over_mean'][worst]:.2f} "
                             f"dead {int(max(record['dead_experts']))} "
                             f"drop {max(record['drop_fraction']):.1%}")
-            self._watch_balance(record["step"], record["balance_loss"],
-                                record["load_max_over_mean"][worst])
+            if any(record.get("balance_loss_scaled", [])):  # only a trained loss can be gamed
+                self._watch_balance(record["step"], record["balance_loss"],
+                                    record["load_max_over_mean"][worst])
         self.bar.set_postfix(text, refresh=False)
         self.bar.update(steps)
 

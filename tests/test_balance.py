@@ -204,3 +204,16 @@ def test_skipped_step_leaves_bias_untouched():
         assert int(metrics["skipped"]) == (poison != 1.0)
         bias = np.asarray(state.buffers["moe_layers"]["moe"]["router"]["bias"][...])
         assert np.abs(bias).max() == pytest.approx(moved)
+
+
+@pytest.mark.parametrize("weight, flagged", [(0.1, True), (0.0, False)])
+def test_monitor_flags_only_a_trained_balance_loss(tmp_path, weight, flagged):
+    from jaxmoe.monitor import Monitor
+    monitor = Monitor(tmp_path, 100, 0, progress=False)
+    for i in range(10):  # balance loss falls while the worst load rises
+        loss, load = 1.2 - 0.02 * i, 2.0 + 0.5 * i
+        monitor.progress(1, {"step": i, "loss": 3.0, "tokens_per_s": 1.0, "balance_loss": loss,
+                             "balance_loss_scaled": [weight * loss], "load_max_over_mean": [load],
+                             "dead_experts": [0], "drop_fraction": [0.0]})
+    monitor.close()
+    assert monitor.flagged is flagged
