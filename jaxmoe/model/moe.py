@@ -21,8 +21,12 @@ def _dispatch(x_TxD, routing, weights, cfg: MoEConfig, mesh: Mesh | None):
     """Local dispatchers run per batch shard (each device packs its own tokens);
     the expert-parallel ones place themselves on the mesh."""
     dispatcher = get_dispatcher(cfg.dispatcher)
-    if mesh is None or cfg.dispatcher not in LOCAL_DISPATCHERS:
+    if cfg.dispatcher not in LOCAL_DISPATCHERS:
         return dispatcher(x_TxD, routing, weights, cfg, mesh)
+    if mesh is None or mesh.shape["data"] * mesh.shape["expert"] == 1:
+        # one batch shard: a shard_map would only wrap the expert weights and their
+        # gradients in copies at every layer
+        return dispatcher(x_TxD, routing, weights, cfg, None)
 
     def local(x, r, w):
         out = dispatcher(x, r, w, cfg, None)
