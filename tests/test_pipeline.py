@@ -111,7 +111,7 @@ def test_bubble_fraction():
     (2, 2, "dense", 1, 8, "compute"), (4, 2, "grouped", 1, 8, "compute"),
     (2, 2, "alltoall", 2, 8, "compute"),
     (4, 1, "grouped", 1, 7, "compute"), (2, 2, "alltoall", 2, 6, "mxfp8")])  # 7, 6: padded
-def test_pipeline_equals_sequential(stages, virtual, dispatcher, expert, moe_layers, precision):
+def test_stage_major_layouts_equal_sequential(stages, virtual, dispatcher, expert, moe_layers, precision):
     from jaxmoe.parallel.pipeline import stored_layer_order
     schedule = "circular" if virtual > 1 else "gpipe"
     raw = {**BASE, "model": {**BASE["model"], "num_layers": moe_layers + 1},
