@@ -15,7 +15,6 @@ moves it outside the optimizer. Everything here composes with `jax.jit`,
 from __future__ import annotations
 
 import functools
-import math
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +25,16 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxmoe import checkpoint
-from jaxmoe.config import Config, MeshConfig, config_from_dict
+from jaxmoe.config import Config, config_from_dict
 from jaxmoe.model.moe import LOCAL_DISPATCHERS, MoE
-from jaxmoe.model.transformer import Transformer
+from jaxmoe.model.transformer import Transformer, init_stds
 from jaxmoe.parallel.pipeline import stored_layer_order
-from jaxmoe.sharding import make_mesh
-from jaxmoe.step import build_steps
 
 Params = dict[str, Any]
 
 
 def _new_moe(cfg: Config, rngs: nnx.Rngs) -> MoE:
-    m = cfg.model
-    return MoE(m.d_model, cfg.moe, m.init_std, m.init_std / math.sqrt(2 * m.num_layers), rngs)
+    return MoE(cfg.model.d_model, cfg.moe, *init_stds(cfg), rngs)
 
 
 @functools.lru_cache(maxsize=32)
@@ -176,13 +172,8 @@ def load_params(path: str | Path, step: int | None = None) -> tuple[Params, Conf
     model order, so `apply(params, tokens, config)` runs as is.
     """
     directory, found = checkpoint.locate(path)
-    step, meta = checkpoint.read_meta(directory, found if step is None else step)
-    saved = config_from_dict(meta["config"])
-    # restored in the saved layer layout onto one device, then put in model order
-    layout = config_from_dict(meta["config"], [f"moe.dispatcher={local_config(saved).moe.dispatcher}"])
-    steps = build_steps(layout, make_mesh(MeshConfig(), jax.devices()[:1]))
-    state, _ = checkpoint.restore(directory, steps, step, check=False)
-    params = nnx.merge_state(state.params, state.buffers).to_pure_dict()
+    weights, saved = checkpoint.restore_weights(directory, found if step is None else step)
+    params = weights.to_pure_dict()
     order = stored_layer_order(saved)
     if "moe_layers" in params and not np.array_equal(order, np.arange(saved.num_moe_layers)):
         model_order = np.argsort(order)[: saved.num_moe_layers]  # drops padding slots

@@ -186,28 +186,34 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5)
 
 
-def _train_step_case(config: str, overrides: list[str]):
-    """(thunk running one train step on 8 devices, its compiled program)."""
+class StepCase(NamedTuple):
+    run: Callable[[], object]  # one train step on fixed random tokens
+    cfg: object
+    compile: Callable[[], object]  # the step's compiled program
+
+
+def _train_step_case(config: str, overrides: list[str], num_devices: int = 8) -> StepCase:
+    """One train step of `config` on the first `num_devices` devices, as a thunk."""
     from jaxmoe.config import load_config
     from jaxmoe.sharding import make_mesh
     from jaxmoe.step import build_steps
 
-    if jax.device_count() < 8:
-        raise SystemExit("this benchmark needs 8 devices; on CPU run it with "
-                         "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    if jax.device_count() < num_devices:
+        raise SystemExit(f"this benchmark needs {num_devices} devices; on CPU run it with "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices}")
     cfg = load_config(config, overrides)
-    steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
+    steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:num_devices]))
     state = [steps.init(jax.random.PRNGKey(0))]
     tokens = jax.random.randint(jax.random.PRNGKey(1),
-                                (cfg.train.batch_size, cfg.train.seq_len + 1), 0, 256)
+                                (cfg.train.batch_size, cfg.train.seq_len + 1), 0,
+                                cfg.model.vocab_size)
     batch = jax.device_put(tokens, steps.batch_sharding)
-    compiled = steps.train_step.lower(state[0], batch).compile()
 
     def run():
         state[0], metrics = steps.train_step(state[0], batch)
         return metrics
 
-    return run, compiled
+    return StepCase(run, cfg, lambda: steps.train_step.lower(state[0], batch).compile())
 
 
 @subcommand("parallel", _parallel_args,
@@ -217,8 +223,8 @@ def bench_parallel(a: argparse.Namespace) -> dict:
 
     runs, moved = {}, {}
     for name, overrides in PARALLEL_CASES.items():
-        runs[name], compiled = _train_step_case(a.config, overrides)
-        moved[name] = compiled_collective_bytes(compiled)
+        case = _train_step_case(a.config, overrides)
+        runs[name], moved[name] = case.run, compiled_collective_bytes(case.compile())
     secs = time_round_robin(runs, a.repeats)
     first = next(iter(secs))
     result = {"config": a.config, "cases": {
@@ -257,7 +263,7 @@ def bench_pipeline(a: argparse.Namespace) -> dict:
                              f"pipeline.schedule={'circular' if V > 1 else 'gpipe'}",
                              f"pipeline.virtual_stages={V}"]
              for name, (S, V) in layout.items()}
-    runs = {name: _train_step_case(a.config, overrides)[0] for name, overrides in cases.items()}
+    runs = {name: _train_step_case(a.config, overrides).run for name, overrides in cases.items()}
     secs = time_round_robin(runs, a.repeats)
     result = {"config": a.config, "microbatches": M, "cases": {
         name: {"step_s": secs[name], "vs_S1": secs[name] / secs["S=1"],
@@ -279,27 +285,6 @@ SMALL_MODEL = ["model.d_model=512", "model.num_heads=8", "model.num_kv_heads=4",
                "moe.top_k=4", "moe.expert_hidden=512", "moe.shared_expert_hidden=0",
                "moe.capacity_factor=1.0", "moe.dispatcher=grouped",
                "train.batch_size=32", "train.seq_len=256"]
-
-
-def _one_device_step(config: str, overrides: list[str]):
-    """(thunk running one train step on the first device, the config)."""
-    from jaxmoe.config import MeshConfig, load_config
-    from jaxmoe.sharding import make_mesh
-    from jaxmoe.step import build_steps
-
-    cfg = load_config(config, overrides)
-    steps = build_steps(cfg, make_mesh(MeshConfig(), jax.devices()[:1]))
-    state = [steps.init(jax.random.PRNGKey(0))]
-    tokens = jax.random.randint(jax.random.PRNGKey(1),
-                                (cfg.train.batch_size, cfg.train.seq_len + 1), 0,
-                                cfg.model.vocab_size)
-    batch = jax.device_put(tokens, steps.batch_sharding)
-
-    def run():
-        state[0], metrics = steps.train_step(state[0], batch)
-        return metrics
-
-    return run, cfg
 
 
 def _matmul_case(n: int, dtype, chain: int = 16) -> tuple[Callable[[], object], float]:
@@ -336,7 +321,7 @@ def _step_args(p: argparse.ArgumentParser) -> None:
 def bench_step(a: argparse.Namespace) -> dict:
     from jaxmoe.config import flops_per_token
 
-    run, cfg = _one_device_step(a.config, SMALL_MODEL + a.set)
+    run, cfg, _ = _train_step_case(a.config, SMALL_MODEL + a.set, num_devices=1)
     matmul, matmul_flops = _matmul_case(a.matmul_size, jnp.dtype(cfg.model.compute_dtype))
     secs = time_round_robin({"train_step": run, "matmul": matmul}, a.repeats)
     tokens = cfg.train.batch_size * cfg.train.seq_len
@@ -367,8 +352,8 @@ def bench_experts(a: argparse.Namespace) -> dict:
 
     runs, cfgs = {}, {}
     for E in a.experts:
-        runs[f"E{E}"], cfgs[f"E{E}"] = _one_device_step(
-            a.config, SMALL_MODEL + a.set + [f"moe.num_experts={E}"])
+        runs[f"E{E}"], cfgs[f"E{E}"], _ = _train_step_case(
+            a.config, SMALL_MODEL + a.set + [f"moe.num_experts={E}"], num_devices=1)
     secs = time_round_robin(runs, a.repeats)
     first = f"E{a.experts[0]}"
     result = {"config": a.config, "overrides": SMALL_MODEL + a.set, "cases": {}}

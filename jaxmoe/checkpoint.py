@@ -16,10 +16,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 
-from jaxmoe.config import Config, config_from_dict
+from jaxmoe.config import Config, MeshConfig, config_from_dict
 from jaxmoe.parallel.pipeline import stored_layer_order
-from jaxmoe.step import Steps, TrainState
+from jaxmoe.sharding import make_mesh
+from jaxmoe.step import Steps, TrainState, build_steps
 
 FORMAT_VERSION = 1
 # Keys whose change alters parameter or optimizer-state shapes.
@@ -139,3 +141,15 @@ def restore(directory: str | Path, steps: Steps, step: int | None = None,
     finally:
         manager.close()
     return restored["state"], meta["data"]
+
+
+def restore_weights(directory: str | Path, step: int | None = None) -> tuple[nnx.State, Config]:
+    """Parameters and router biases of a checkpoint on one device, in their saved
+    layer layout (pipelines store MoE layers by stage, maybe padded: see
+    `stored_layer_order`), with the config they were saved under."""
+    step, meta = read_meta(directory, step)
+    # only the shapes matter: a local dispatcher compiles anywhere
+    layout = config_from_dict(meta["config"], ["moe.dispatcher=dense"])
+    steps = build_steps(layout, make_mesh(MeshConfig(), jax.devices()[:1]))
+    state, _ = restore(directory, steps, step, check=False)
+    return nnx.merge_state(state.params, state.buffers), config_from_dict(meta["config"])

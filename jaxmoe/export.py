@@ -21,10 +21,8 @@ from flax import nnx
 
 from jaxmoe import checkpoint
 from jaxmoe.checkpoint import CheckpointError
-from jaxmoe.config import Config, MeshConfig, config_from_dict
+from jaxmoe.config import Config
 from jaxmoe.parallel.pipeline import stored_layer_order
-from jaxmoe.sharding import make_mesh
-from jaxmoe.step import build_steps
 
 _RENAME = {"embed": "embedding", "head": "lm_head", "final_norm.scale": "final_norm"}
 
@@ -57,13 +55,9 @@ def export(checkpoint_path: str | Path, out: str | Path) -> dict[str, tuple]:
 
     directory, step = checkpoint.locate(checkpoint_path)
     step, meta = checkpoint.read_meta(directory, step)
-    cfg = config_from_dict(meta["config"])
-    # the saved layer layout, restored onto one device (named_tensors undoes the order)
-    one_device = config_from_dict(meta["config"], ["moe.dispatcher=dense"])
-    steps = build_steps(one_device, make_mesh(MeshConfig(), jax.devices()[:1]))
-    state, _ = checkpoint.restore(directory, steps, step, check=False)
     # router biases steer expert selection, so they belong with the weights
-    tensors = named_tensors(nnx.merge_state(state.params, state.buffers), cfg)
+    weights, cfg = checkpoint.restore_weights(directory, step)
+    tensors = named_tensors(weights, cfg)
     metadata = {"format": "jaxmoe", "step": str(step), "config": json.dumps(meta["config"]),
                 "axes": json.dumps({k: axes for k, (_, axes) in tensors.items()})}
     save_file({k: np.ascontiguousarray(v) for k, (v, _) in tensors.items()}, str(out), metadata)

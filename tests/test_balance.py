@@ -146,13 +146,18 @@ def test_bias_update_balances_skewed_router():
     assert imbalance[0] > 1.8 and max(imbalance[-10:]) < 1.25
 
 
-def test_bias_lives_outside_optimizer_and_survives_checkpoint(tmp_path):
-    cfg = config_from_dict({
+def _bias_config():
+    """One MoE layer with aux-loss-free bias on 8 data-parallel devices."""
+    return config_from_dict({
         "model": {"d_model": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
         "moe": {"num_experts": 4, "top_k": 1, "expert_hidden": 16, "expert_bias": True,
                 "bias_update_rate": 0.01},
         "mesh": {"data": 8}, "train": {"steps": 5, "batch_size": 8, "seq_len": 8},
         "optimizer": {"warmup_steps": 1}})
+
+
+def test_bias_lives_outside_optimizer_and_survives_checkpoint(tmp_path):
+    cfg = _bias_config()
     steps = build_steps(cfg, make_mesh(cfg.mesh))
     state = steps.init(jax.random.PRNGKey(0))
     assert "bias" not in str(jax.tree_util.tree_structure(state.params))
@@ -190,12 +195,7 @@ def test_plots_write_pngs(tmp_path):
 
 
 def test_skipped_step_leaves_bias_untouched():
-    cfg = config_from_dict({
-        "model": {"d_model": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
-        "moe": {"num_experts": 4, "top_k": 1, "expert_hidden": 16, "expert_bias": True,
-                "bias_update_rate": 0.01},
-        "mesh": {"data": 8}, "train": {"steps": 5, "batch_size": 8, "seq_len": 8},
-        "optimizer": {"warmup_steps": 1}})
+    cfg = _bias_config()
     batch = np.arange(8 * 9).reshape(8, 9) % 256
     for poison, moved in [(jnp.nan, 0.0), (1.0, 0.01)]:  # a non-finite loss vs a normal one
         steps = build_steps(cfg, make_mesh(cfg.mesh), loss_hook=lambda loss, step: loss * poison)

@@ -29,10 +29,16 @@ REMAT_POLICIES = {
 }
 
 
+def init_stds(cfg: Config) -> tuple[float, float]:
+    """Init std of a block's input projections, and of its output projections (scaled
+    down with depth, so the residual stream's variance stays put)."""
+    return cfg.model.init_std, cfg.model.init_std / math.sqrt(2 * cfg.model.num_layers)
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: Config, use_moe: bool, rngs: nnx.Rngs):
+        std, out_std = init_stds(cfg)
         m = cfg.model
-        std, out_std = m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
         self.attn_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
         self.attn = Attention(m, out_std, rngs)
         self.mlp_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
