@@ -60,9 +60,13 @@ def keep_freed_memory() -> bool:
     """Stops glibc from returning freed buffers to the OS (no mmap, no trim).
 
     XLA:CPU allocates its outputs and temporaries afresh on every call; above
-    glibc's mmap threshold each one is mapped and unmapped, so every step
-    page-faults its big buffers back in (~0.7 s of a 1.7 s MoE step at E=128,
-    whose weight gradients alone are 768 MB). Returns False where mallopt is missing.
+    glibc's mmap threshold each one is mapped and unmapped, and a freed heap top
+    above the trim threshold is handed back, so every step page-faults its big
+    buffers in again (~0.7 s of a 1.7 s MoE step at E=128, whose weight gradients
+    alone are 768 MB). mallopt takes an int but glibc keeps the trim threshold as
+    a size_t: -1 means never trim, where 2**31 - 1 still let a step's >2 GB of
+    temporaries go back (and fault in again) every step. Returns False where
+    mallopt is missing.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -70,7 +74,7 @@ def keep_freed_memory() -> bool:
         return False
     M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
     return all(libc.mallopt(opt, val) == 1 for opt, val in
-               ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1), (M_ARENA_MAX, 1)))
+               ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1), (M_ARENA_MAX, 1)))
 
 
 def time_round_robin(cases: dict[str, Callable[[], object]], repeats: int,

@@ -23,7 +23,9 @@ from jaxmoe.parallel.pipeline import stored_layer_order
 from jaxmoe.sharding import make_mesh
 from jaxmoe.step import Steps, TrainState, build_steps
 
-FORMAT_VERSION = 1
+# 2: optimizer state is jaxmoe.optim.AdamWState (count, mu, nu); 1 held optax's
+# chained (clip, adam, decay, schedule) states, which 2 cannot restore into.
+FORMAT_VERSION = 2
 # Keys whose change alters parameter or optimizer-state shapes.
 SHAPE_KEYS = {
     "model": ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -90,6 +92,10 @@ def read_meta(directory: str | Path, step: int | None = None) -> tuple[int, dict
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {directory / str(step)} has format version {version}; "
                               f"this jaxmoe reads up to {FORMAT_VERSION} (upgrade jaxmoe)")
+    if version < FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {directory / str(step)} has format version {version}, "
+                              f"whose optimizer state this jaxmoe (format {FORMAT_VERSION}) cannot "
+                              f"restore; export it with the jaxmoe that wrote it")
     return step, meta
 
 

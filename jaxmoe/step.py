@@ -147,24 +147,31 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
         # Strided split keeps each device's rows on that device in every microbatch.
         micro_MxBxL1 = batch_BxL1.reshape(B // M, M, L1).swapaxes(0, 1)
 
-        def accumulate(carry, xs):
-            i, tokens = xs
+        def micro(i, tokens):
             key = jax.random.fold_in(step_key, i) if moe.router_jitter > 0 else None
             (loss, (ce, aux)), grads = grad_fn(state.params, state.buffers, tokens, key, state.step)
-            sums = jax.tree.map(jnp.add, carry, (grads, loss, ce, aux))
-            return sums, None
+            return grads, loss, ce, aux
 
-        aux_shapes = jax.eval_shape(loss_fn, state.params, state.buffers, micro_MxBxL1[0], None,
-                                    state.step)[1][1]  # forward only: shapes of the router stats
-        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                             (state.params, jnp.float32(0), jnp.float32(0), aux_shapes))
-        (grads, loss, ce, aux), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(M), micro_MxBxL1))
-        grads = jax.tree.map(lambda g: g / M, grads)
+        if M == 1:  # no accumulation loop: no zeroed gradient tree to add into
+            grads, loss, ce, aux = micro(0, micro_MxBxL1[0])
+        else:  # one traced copy of the model, looped
+            def accumulate(sums, xs):
+                return jax.tree.map(jnp.add, sums, micro(*xs)), None
+
+            aux_shapes = jax.eval_shape(loss_fn, state.params, state.buffers, micro_MxBxL1[0],
+                                        None, state.step)[1][1]  # forward only: router stats
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                 (state.params, jnp.float32(0), jnp.float32(0), aux_shapes))
+            (grads, loss, ce, aux), _ = jax.lax.scan(accumulate, zeros,
+                                                     (jnp.arange(M), micro_MxBxL1))
+            grads = jax.tree.map(lambda g: g / M, grads)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # A non-finite step changes nothing but the step counter (and the data
+        # position); the optimizer applies the skip inside its fused update.
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, skip=~finite)
         params = optax.apply_updates(state.params, updates)
         buffers = state.buffers
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         metrics = {"loss": loss / M, "ce": ce / M, "grad_norm": grad_norm, "lr": lr_at(state.step),
                    "skipped": (~finite).astype(jnp.int32)}
         if has_moe:
@@ -176,10 +183,7 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
             if moe.expert_bias:
                 buffers = update_expert_bias(buffers, aux["counts_E"], moe.bias_update_rate,
                                              stored_layer_order(cfg))
-        # A non-finite step changes nothing but the step counter (and the data position).
-        keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        params, opt_state, buffers = jax.tree.map(
-            keep_old, (params, opt_state, buffers), (state.params, state.opt_state, state.buffers))
+        buffers = jax.tree.map(lambda new, old: jnp.where(finite, new, old), buffers, state.buffers)
         bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
         metrics["bad_steps"] = bad_steps
         new_state = TrainState(state.step + 1, params, buffers, opt_state, state.key, bad_steps)

@@ -183,9 +183,12 @@ def test_bad_resume_inputs_leave_directory_untouched(straight, tmp_path):
     assert not (tmp_path / "empty").exists()
     meta = run / "checkpoints" / "8" / "meta" / "metadata"
     original = meta.read_text()
-    meta.write_text(original.replace('"format_version": 1', '"format_version": 99'))
+    meta.write_text(original.replace('"format_version": 2', '"format_version": 99'))
     newer = _cli(run, "--resume")
     assert newer.returncode == 2 and "format version 99" in newer.stderr
+    meta.write_text(original.replace('"format_version": 2', '"format_version": 1'))
+    older = _cli(run, "--resume")
+    assert older.returncode == 2 and "format version 1, whose optimizer state" in older.stderr
     meta.write_text("{not json")
     corrupt = _cli(run, "--resume")
     assert corrupt.returncode == 2 and "corrupt" in corrupt.stderr
@@ -195,7 +198,7 @@ def test_bad_resume_inputs_leave_directory_untouched(straight, tmp_path):
             f.write_bytes(b"\0" * 64)
     damaged = _cli(run, "--resume")
     assert damaged.returncode == 2 and "corrupt or unreadable" in damaged.stderr, damaged.stderr
-    for errs in (shape, missing, newer, corrupt, damaged):
+    for errs in (shape, missing, newer, older, corrupt, damaged):
         assert len(errs.stderr.strip().splitlines()) == 1, errs.stderr
     after = _snapshot(run)
     changed = {a[0] for a in after} ^ {b[0] for b in before}

@@ -93,7 +93,7 @@ def test_shardings_are_real(mode):
         assert per_device_shapes(w_up) == {(L, E // 4, D // 2, F2)}
         assert per_device_shapes(wq) == {(L, D // 2) + wq.shape[2:]}  # split over data
     # ZeRO-1: Adam moments are split over the tensor's replica axes
-    mu = state.opt_state[1][0].mu
+    mu = state.opt_state.mu
     mu_wq = _leaf(mu, "moe_layers", "attn", "w_q")
     mu_up = _leaf(mu, "moe_layers", "moe", "experts", "w_gate_up")
     assert fraction_per_device(mu_wq) == pytest.approx(1 / 8)  # replicated over data x expert
@@ -154,3 +154,27 @@ def test_bf16_compute_keeps_sharded_fp32_master(reference):
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)  # bf16 tracks fp32
     assert losses != ref_losses  # but is not the fp32 computation
+
+
+def test_accumulated_step_equals_one_whole_batch_step():
+    """Two micro-batches of 8 give the whole batch's mean gradient (with the router
+    losses off, since those are not linear in the batch)."""
+    def params_after(microbatches, batch):
+        cfg = config_from_dict({**BASE, "moe": {**BASE["moe"], "dispatcher": "dense",
+                                                "balance_loss_weight": 0.0, "z_loss_weight": 0.0},
+                                "train": {**BASE["train"], "microbatches": microbatches}})
+        steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
+        state, metrics = steps.train_step(steps.init(jax.random.PRNGKey(0)), batch)
+        return jax.device_get(state.params), float(metrics["loss"])
+
+    first, second = _batches(2)
+    p1, loss1 = params_after(1, first)
+    p2, loss2 = params_after(2, first)
+    assert loss2 == pytest.approx(loss1, rel=1e-6)
+    # Adam's first step moves each weight by about lr = 1e-2 whatever its gradient's
+    # size, so near-zero gradients may round differently: 1% of a step
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), p1, p2)
+    # a different batch moves the parameters elsewhere, by far more than that tolerance
+    p3, _ = params_after(2, second)
+    gap = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p3)))
+    assert gap > 5e-3
