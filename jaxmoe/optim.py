@@ -66,7 +66,7 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
     def update(grads, state: AdamWState, params=None, *, skip=None, **_):
         if params is None:
             raise ValueError("make_optimizer's AdamW needs params (for weight decay)")
-        take = jnp.bool_(True) if skip is None else ~jnp.asarray(skip)
+        take = jnp.bool_(True) if skip is None else ~jnp.asarray(skip, bool)
         if clip > 0:
             norm = optax.tree.norm(grads)
             scale = clip / jnp.maximum(norm, clip)
@@ -78,15 +78,15 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
         t = jnp.maximum(count, 1).astype(jnp.float32)
         c1, c2 = 1 - b1 ** t, 1 - b2 ** t
 
-        def moments(g, m, v):
-            g = g * scale.astype(g.dtype)
-            return (jnp.where(take, b1 * m + (1 - b1) * g, m),
-                    jnp.where(take, b2 * v + (1 - b2) * (g * g), v))
+        def first(g, m):
+            return jnp.where(take, b1 * m + (1 - b1) * (g * scale.astype(g.dtype)), m)
 
-        mu_nu = jax.tree.map(moments, grads, state.mu, state.nu)
-        is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
-        mu = jax.tree.map(lambda x: x[0], mu_nu, is_leaf=is_pair)
-        nu = jax.tree.map(lambda x: x[1], mu_nu, is_leaf=is_pair)
+        def second(g, v):
+            g = g * scale.astype(g.dtype)
+            return jnp.where(take, b2 * v + (1 - b2) * (g * g), v)
+
+        mu = jax.tree.map(first, grads, state.mu)
+        nu = jax.tree.map(second, grads, state.nu)
 
         def step(p, m, v):
             u = (m / c1) / (jnp.sqrt(v / c2) + eps)

@@ -68,6 +68,20 @@ def test_skip_changes_nothing_where_optax_would_poison_the_state():
     assert not bool(jnp.isfinite(r[1][0].mu["w"]).all())
 
 
+def test_tuple_containers_and_integer_skip():
+    """Parameters held in tuples keep their own moments; skip=1 means skip."""
+    params = (jnp.ones((3, 2)), 2 * jnp.ones(3))
+    grads = (jnp.full((3, 2), 0.1), jnp.full(3, 5.0))
+    cfg = OptimizerConfig(**{**CFG.__dict__, "grad_clip": 0.0})
+    ours, ref = make_optimizer(cfg, STEPS), _optax_reference(cfg)
+    u, s = ours.update(grads, ours.init(params), params)
+    r, _ = ref.update(grads, ref.init(params), params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), u, r)
+    assert s.mu[0].shape == (3, 2) and s.nu[1].shape == (3,)
+    u, s2 = ours.update(grads, s, params, skip=1)
+    assert int(s2.count) == 1 and all(float(jnp.max(jnp.abs(x))) == 0 for x in u)
+
+
 def test_needs_params():
     tx = make_optimizer(CFG, STEPS)
     with pytest.raises(ValueError, match="needs params"):

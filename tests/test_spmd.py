@@ -165,16 +165,19 @@ def test_accumulated_step_equals_one_whole_batch_step():
                                 "train": {**BASE["train"], "microbatches": microbatches}})
         steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
         state, metrics = steps.train_step(steps.init(jax.random.PRNGKey(0)), batch)
-        return jax.device_get(state.params), float(metrics["loss"])
+        return jax.device_get(state.params), float(metrics["loss"]), float(metrics["grad_norm"])
 
     first, second = _batches(2)
-    p1, loss1 = params_after(1, first)
-    p2, loss2 = params_after(2, first)
+    p1, loss1, norm1 = params_after(1, first)
+    p2, loss2, norm2 = params_after(2, first)
     assert loss2 == pytest.approx(loss1, rel=1e-6)
+    # Adam's step hardly depends on the gradient's scale; its norm does (a sum of
+    # the micro-batches' gradients instead of their mean would double it)
+    assert norm2 == pytest.approx(norm1, rel=1e-4)
     # Adam's first step moves each weight by about lr = 1e-2 whatever its gradient's
     # size, so near-zero gradients may round differently: 1% of a step
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), p1, p2)
     # a different batch moves the parameters elsewhere, by far more than that tolerance
-    p3, _ = params_after(2, second)
+    p3, _, _ = params_after(2, second)
     gap = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p3)))
     assert gap > 5e-3
