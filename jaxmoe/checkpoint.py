@@ -18,14 +18,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxmoe.config import Config, MeshConfig, config_from_dict
+from jaxmoe.config import Config, config_from_dict
 from jaxmoe.parallel.pipeline import stored_layer_order
-from jaxmoe.sharding import make_mesh
-from jaxmoe.step import Steps, TrainState, build_steps
+from jaxmoe.step import Steps, TrainState, abstract_model
 
 # 2: optimizer state is jaxmoe.optim.AdamWState (count, mu, nu); 1 held optax's
 # chained (clip, adam, decay, schedule) states, which 2 cannot restore into.
 FORMAT_VERSION = 2
+WEIGHTS_SINCE = 1  # params and router biases are laid out as in format 1
 # Keys whose change alters parameter or optimizer-state shapes.
 SHAPE_KEYS = {
     "model": ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -75,8 +75,10 @@ def complete_steps(directory: str | Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def read_meta(directory: str | Path, step: int | None = None) -> tuple[int, dict]:
-    """(step, meta) of the latest (or given) complete checkpoint; checks the format."""
+def read_meta(directory: str | Path, step: int | None = None,
+              weights_only: bool = False) -> tuple[int, dict]:
+    """(step, meta) of the latest (or given) complete checkpoint; checks the format
+    (older formats are readable when only the weights are wanted)."""
     directory = Path(directory)
     steps = complete_steps(directory)
     if not steps:
@@ -92,10 +94,11 @@ def read_meta(directory: str | Path, step: int | None = None) -> tuple[int, dict
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {directory / str(step)} has format version {version}; "
                               f"this jaxmoe reads up to {FORMAT_VERSION} (upgrade jaxmoe)")
-    if version < FORMAT_VERSION:
+    if version < (WEIGHTS_SINCE if weights_only else FORMAT_VERSION):
         raise CheckpointError(f"checkpoint {directory / str(step)} has format version {version}, "
                               f"whose optimizer state this jaxmoe (format {FORMAT_VERSION}) cannot "
-                              f"restore; export it with the jaxmoe that wrote it")
+                              f"restore; its weights still load (jaxmoe.load_params, "
+                              f"python -m jaxmoe.export)")
     return step, meta
 
 
@@ -124,38 +127,45 @@ def abstract_target(steps: Steps) -> TrainState:
                         shapes, steps.state_shardings)
 
 
-def restore(directory: str | Path, steps: Steps, step: int | None = None,
-            check: bool = True) -> tuple[TrainState, dict]:
+def restore(directory: str | Path, steps: Steps, step: int | None = None) -> tuple[TrainState, dict]:
     """Restores the latest (or given) checkpoint into `steps`' mesh and shardings.
 
     Returns the state and the data iterator's state. The checkpoint may come
     from another mesh: orbax reads each device's slice for the new shardings.
-    `check=False` skips the config comparison (for readers that only need arrays).
     """
     directory = Path(directory)
     step, meta = read_meta(directory, step)
-    if check:
-        check_compatible(meta["config"], steps.cfg, directory / str(step))
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-        read_only=True, create=False))
-    try:
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_target(steps))))
-    except Exception as e:  # orbax raises many types for damaged files
-        raise CheckpointError(f"checkpoint {directory / str(step)} is corrupt or unreadable: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
-    finally:
-        manager.close()
-    return restored["state"], meta["data"]
+    check_compatible(meta["config"], steps.cfg, directory / str(step))
+    state = _read_state(directory, step, ocp.args.StandardRestore(abstract_target(steps)))
+    return state, meta["data"]
 
 
 def restore_weights(directory: str | Path, step: int | None = None) -> tuple[nnx.State, Config]:
     """Parameters and router biases of a checkpoint on one device, in their saved
     layer layout (pipelines store MoE layers by stage, maybe padded: see
-    `stored_layer_order`), with the config they were saved under."""
-    step, meta = read_meta(directory, step)
-    # only the shapes matter: a local dispatcher compiles anywhere
-    layout = config_from_dict(meta["config"], ["moe.dispatcher=dense"])
-    steps = build_steps(layout, make_mesh(MeshConfig(), jax.devices()[:1]))
-    state, _ = restore(directory, steps, step, check=False)
-    return nnx.merge_state(state.params, state.buffers), config_from_dict(meta["config"])
+    `stored_layer_order`), with the config they were saved under. Reads neither
+    the optimizer state nor anything compiled, so it needs a third of `restore`'s
+    memory and works on older formats."""
+    directory = Path(directory)
+    step, meta = read_meta(directory, step, weights_only=True)
+    cfg = config_from_dict(meta["config"])
+    _, abs_params, abs_buffers = abstract_model(cfg)
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    wanted = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
+                          {"params": abs_params, "buffers": abs_buffers})
+    weights = _read_state(directory, step, ocp.args.PyTreeRestore(
+        wanted, ocp.checkpoint_utils.construct_restore_args(wanted), partial_restore=True))
+    return nnx.merge_state(weights["params"], weights["buffers"]), cfg
+
+
+def _read_state(directory: Path, step: int, args):
+    """The saved state item, read through `args`; damage becomes a CheckpointError."""
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+        read_only=True, create=False))
+    try:
+        return manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+    except Exception as e:  # orbax raises many types for damaged files
+        raise CheckpointError(f"checkpoint {directory / str(step)} is corrupt or unreadable: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    finally:
+        manager.close()

@@ -24,6 +24,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
+from jaxmoe.sharding import process_rows
+
 ENV = {"coordinator": "JAXMOE_COORDINATOR", "num_processes": "JAXMOE_NUM_PROCESSES",
        "process_id": "JAXMOE_PROCESS_ID", "peer_timeout": "JAXMOE_PEER_TIMEOUT"}
 DEFAULT_PEER_TIMEOUT = 120
@@ -76,6 +78,9 @@ def settings(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
         n = _integer(given["num_processes"], "--num-processes")
         i = _integer(given["process_id"], "--process-id")
         return _checked(n, i, given["coordinator"], timeout, "flags / JAXMOE_* variables")
+    # The variables JAX's own cluster detection requires (jax/_src/clusters/slurm_cluster.py
+    # and ompi_cluster.py): when they are present, jax.distributed.initialize() finds the
+    # coordinator itself. Recheck them when upgrading JAX.
     if all(v in environ for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
                                   "SLURM_PROCID", "SLURM_LOCALID")):
         return _checked(_integer(environ["SLURM_NTASKS"], "SLURM_NTASKS"),
@@ -133,15 +138,14 @@ def is_main() -> bool:
 
 def layout(batch_sharding: NamedSharding, batch_size: int) -> str:
     """One line: the mesh over the processes and the batch rows each one reads."""
-    mesh = batch_sharding.mesh
-    rows: dict[int, set] = {}
-    for device, (s, *_) in batch_sharding.devices_indices_map((batch_size,)).items():
-        rows.setdefault(device.process_index, set()).add((s.start or 0, s.stop or batch_size))
-    blocks = ", ".join(f"process {p} rows {min(a for a, _ in r)}:{max(b for _, b in r)}"
-                       for p, r in sorted(rows.items()))
-    shape = " x ".join(f"{a}={n}" for a, n in mesh.shape.items())
+    blocks = []
+    for p in range(jax.process_count()):
+        block, count = process_rows(batch_sharding, batch_size, p)
+        rows = batch_size // count
+        blocks.append(f"process {p} rows {block * rows}:{(block + 1) * rows}")
+    shape = " x ".join(f"{a}={n}" for a, n in batch_sharding.mesh.shape.items())
     return (f"{jax.process_count()} processes x {jax.local_device_count()} devices, mesh "
-            f"{shape}; of each batch of {batch_size}: {blocks}")
+            f"{shape}; of each batch of {batch_size}: {', '.join(blocks)}")
 
 
 def check_same(value: int, what: str) -> None:

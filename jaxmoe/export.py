@@ -54,7 +54,7 @@ def export(checkpoint_path: str | Path, out: str | Path) -> dict[str, tuple]:
     from safetensors.numpy import save_file
 
     directory, step = checkpoint.locate(checkpoint_path)
-    step, meta = checkpoint.read_meta(directory, step)
+    step, meta = checkpoint.read_meta(directory, step, weights_only=True)
     # router biases steer expert selection, so they belong with the weights
     weights, cfg = checkpoint.restore_weights(directory, step)
     tensors = named_tensors(weights, cfg)

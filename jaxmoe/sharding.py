@@ -156,15 +156,18 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def process_rows(sharding: NamedSharding, batch_size: int) -> tuple[int, int]:
-    """(index, count): this process's devices hold block `index` of `count` equal,
-    contiguous blocks of a batch's rows (processes on one replica share a block)."""
-    slices = {(s.start or 0, s.stop or batch_size) for s, *_ in
-              sharding.addressable_devices_indices_map((batch_size,)).values()}
+def process_rows(sharding: NamedSharding, batch_size: int,
+                 process: int | None = None) -> tuple[int, int]:
+    """(index, count): a process's devices (this one's by default) hold block `index`
+    of `count` equal, contiguous blocks of a batch's rows (processes on one replica
+    share a block)."""
+    process = jax.process_index() if process is None else process
+    slices = {(s.start or 0, s.stop or batch_size) for d, (s, *_) in
+              sharding.devices_indices_map((batch_size,)).items() if d.process_index == process}
     lo, hi = min(a for a, _ in slices), max(b for _, b in slices)
     rows = hi - lo
     if sum(b - a for a, b in slices) != rows or batch_size % rows or lo % rows:
-        raise ConfigError(f"mesh: this process's devices hold batch rows {sorted(slices)}, "
+        raise ConfigError(f"mesh: process {process}'s devices hold batch rows {sorted(slices)}, "
                           "not one contiguous block; order the mesh host by host")
     return lo // rows, batch_size // rows
 

@@ -183,12 +183,17 @@ def test_bad_resume_inputs_leave_directory_untouched(straight, tmp_path):
     assert not (tmp_path / "empty").exists()
     meta = run / "checkpoints" / "8" / "meta" / "metadata"
     original = meta.read_text()
+    current, _ = checkpoint.restore_weights(run / "checkpoints")
     meta.write_text(original.replace('"format_version": 2', '"format_version": 99'))
     newer = _cli(run, "--resume")
     assert newer.returncode == 2 and "format version 99" in newer.stderr
     meta.write_text(original.replace('"format_version": 2', '"format_version": 1'))
     older = _cli(run, "--resume")
     assert older.returncode == 2 and "format version 1, whose optimizer state" in older.stderr
+    # the weights of the older format still load, and are the same arrays
+    weights, _ = checkpoint.restore_weights(run / "checkpoints")
+    jax.tree.map(np.testing.assert_array_equal, weights, current)
+    assert "experts" in str(jax.tree_util.tree_structure(weights))
     meta.write_text("{not json")
     corrupt = _cli(run, "--resume")
     assert corrupt.returncode == 2 and "corrupt" in corrupt.stderr

@@ -257,6 +257,19 @@ def _start_processes(run_dirs, overrides, peer_timeout=20):
 
 
 @pytest.mark.slow
+def test_a_signal_to_one_process_stops_both_at_one_step(tmp_path):
+    """A scheduler may signal a single task: the processes agree to stop together."""
+    procs = _start_processes([tmp_path] * 2, DENSE)
+    _wait_for_steps(tmp_path, 3)
+    procs[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    steps = checkpoint.complete_steps(checkpoint.checkpoint_dir(tmp_path))
+    assert len(steps) == 1 and 3 <= steps[0] < 400
+    assert f"stopped on a signal to another process at step {steps[0]}" in outs[0][0]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("victim, message", [
     (1, "The following tasks are unhealthy (stopped sending heartbeats):\n1"),
     (0, "the leader task was preempted/died"),
