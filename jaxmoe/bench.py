@@ -13,7 +13,8 @@ arguments; it returns a dict of numbers, which `--json` writes to a file.
   step      a whole train step of a small full model on one device: model-FLOPs
             utilisation against the dense-matmul rate measured in the same run.
   experts   tokens/s of that model's train step at 8 and at 128 experts (top-4,
-            same expert size): what many experts cost.
+            same expert size): what many experts cost; beside each, the
+            optimizer update alone, which bounds the ratio at few tokens per step.
 
 Cases are timed round-robin, so machine noise hits every case alike, and the
 median of the repeats is reported.
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config import MoEConfig
+from jaxmoe.fake_devices import FLAG
 from jaxmoe.model.layers import swiglu
 from jaxmoe.model.moe import MoE
 
@@ -204,7 +206,7 @@ def _train_step_case(config: str, overrides: list[str], num_devices: int = 8) ->
 
     if jax.device_count() < num_devices:
         raise SystemExit(f"this benchmark needs {num_devices} devices; on CPU run it with "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices}")
+                         f"XLA_FLAGS={FLAG}={num_devices}")
     cfg = load_config(config, overrides)
     steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:num_devices]))
     state = [steps.init(jax.random.PRNGKey(0))]
@@ -347,6 +349,30 @@ def bench_step(a: argparse.Namespace) -> dict:
 def _experts_args(p: argparse.ArgumentParser) -> None:
     _small_model_args(p)
     p.add_argument("--experts", type=int, nargs="+", default=[8, 128])
+    p.add_argument("--no-update-case", dest="update_case", action="store_false",
+                   help="leave out the optimizer-update-alone cases (they hold one more "
+                        "copy of each model's parameters, moments and gradients)")
+
+
+def _update_case(cfg) -> Callable[[], object]:
+    """The train step's parameter update alone (gradient norm, fused AdamW with its
+    skip) on constant gradients of `cfg`'s parameter shapes, as a thunk."""
+    from jaxmoe.optim import make_optimizer
+    from jaxmoe.step import abstract_model, apply_gradients
+
+    _, abs_params, _ = abstract_model(cfg)
+    tx = make_optimizer(cfg.optimizer, cfg.train.steps)
+    params = jax.tree.map(lambda a: jnp.full(a.shape, 0.01, a.dtype), abs_params)
+    grads = jax.tree.map(lambda a: jnp.full(a.shape, 1e-3, a.dtype), abs_params)
+    state = [params, tx.init(params)]
+    update = jax.jit(lambda p, o, g: apply_gradients(tx, p, o, g, jnp.float32(0))[:2],
+                     donate_argnums=(0, 1))
+
+    def run():
+        state[0], state[1] = update(state[0], state[1], grads)
+        return state[0]
+
+    return run
 
 
 @subcommand("experts", _experts_args,
@@ -358,20 +384,33 @@ def bench_experts(a: argparse.Namespace) -> dict:
     for E in a.experts:
         runs[f"E{E}"], cfgs[f"E{E}"], _ = _train_step_case(
             a.config, SMALL_MODEL + a.set + [f"moe.num_experts={E}"], num_devices=1)
+        if a.update_case:
+            runs[f"E{E} update"] = _update_case(cfgs[f"E{E}"])
     secs = time_round_robin(runs, a.repeats)
     first = f"E{a.experts[0]}"
     result = {"config": a.config, "overrides": SMALL_MODEL + a.set, "cases": {}}
     for name, cfg in cfgs.items():
         tokens, counts = cfg.train.batch_size * cfg.train.seq_len, param_counts(cfg)
         result["cases"][name] = {"step_s": secs[name], "tokens_per_s": tokens / secs[name],
-                                 "params_total": counts.total, "params_active": counts.active}
-    base = result["cases"][first]["tokens_per_s"]
-    result["ratios"] = {f"{n}/{first}": c["tokens_per_s"] / base for n, c in result["cases"].items()
-                        if n != first}
-    rows = [("case", "params", "active", "step s", "tokens/s")]
+                                 "params_total": counts.total, "params_active": counts.active,
+                                 "update_s": secs.get(f"{name} update")}
+    cases = result["cases"]
+    result["ratios"] = {f"{n}/{first}": c["tokens_per_s"] / cases[first]["tokens_per_s"]
+                        for n, c in cases.items() if n != first}
+    if a.update_case:
+        # What the ratio would be if the larger model cost nothing more than its
+        # larger optimizer update: the update's share of the gap.
+        result["ratio_if_only_update_differed"] = {
+            f"{n}/{first}": cases[first]["step_s"] / (cases[first]["step_s"] + c["update_s"]
+                                                      - cases[first]["update_s"])
+            for n, c in cases.items() if n != first}
+    rows = [("case", "params", "active", "step s", "update s", "tokens/s")]
     rows += [(n, f"{c['params_total'] / 1e6:.0f}M", f"{c['params_active'] / 1e6:.0f}M",
-              f"{c['step_s']:.3f}", f"{c['tokens_per_s']:.0f}") for n, c in result["cases"].items()]
-    rows += [("ratio " + n, "", "", "", f"{r:.3f}") for n, r in result["ratios"].items()]
+              f"{c['step_s']:.3f}", "" if c["update_s"] is None else f"{c['update_s']:.3f}",
+              f"{c['tokens_per_s']:.0f}") for n, c in cases.items()]
+    rows += [("ratio " + n, "", "", "", "", f"{r:.3f}") for n, r in result["ratios"].items()]
+    rows += [("  if only the update differed", "", "", "", "", f"{r:.3f}")
+             for r in result.get("ratio_if_only_update_differed", {}).values()]
     print_table(rows)
     return result
 

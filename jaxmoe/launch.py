@@ -19,9 +19,9 @@ import threading
 import time
 
 from jaxmoe.distributed import ENV
+from jaxmoe.fake_devices import cpu_devices_env
 
 GRACE_S = 5.0  # a stopped process gets this long to exit before it is killed
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
 def free_port() -> int:
@@ -31,9 +31,7 @@ def free_port() -> int:
 
 
 def process_env(i: int, n: int, port: int, devices: int) -> dict[str, str]:
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_FLAG)]
-    return {**os.environ, "XLA_FLAGS": " ".join(flags + [f"{_DEVICE_FLAG}={devices}"]),
-            "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+    return {**cpu_devices_env(os.environ, devices), "PYTHONUNBUFFERED": "1",
             ENV["coordinator"]: f"127.0.0.1:{port}", ENV["num_processes"]: str(n),
             ENV["process_id"]: str(i)}
 

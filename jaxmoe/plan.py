@@ -17,6 +17,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from jaxmoe.fake_devices import cpu_devices_env
+
 
 @dataclass(frozen=True)
 class Device:
@@ -161,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if "jax" not in sys.modules:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={math.prod(sizes)}")
+        os.environ.update(cpu_devices_env(os.environ, math.prod(sizes)))
     try:
         result = plan(args.config, overrides, args.device, args.mfu)
     except ConfigError as e:

@@ -165,14 +165,13 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
             (grads, loss, ce, aux), _ = jax.lax.scan(accumulate, zeros,
                                                      (jnp.arange(M), micro_MxBxL1))
             grads = jax.tree.map(lambda g: g / M, grads)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # A non-finite step changes nothing but the step counter (and the data
-        # position); the optimizer applies the skip inside its fused update.
-        updates, opt_state = tx.update(grads, state.opt_state, state.params, skip=~finite)
-        params = optax.apply_updates(state.params, updates)
+        params, opt_state, grad_norm, finite = apply_gradients(tx, state.params, state.opt_state,
+                                                               grads, loss)
         buffers = state.buffers
-        metrics = {"loss": loss / M, "ce": ce / M, "grad_norm": grad_norm, "lr": lr_at(state.step),
+        # The rate this update used: the schedule runs on the optimizer's count,
+        # which skipped steps do not advance.
+        metrics = {"loss": loss / M, "ce": ce / M, "grad_norm": grad_norm,
+                   "lr": lr_at(state.opt_state.count),
                    "skipped": (~finite).astype(jnp.int32)}
         if has_moe:
             aux = {**aux, "balance_loss": aux["balance_loss"] / M, "z_loss": aux["z_loss"] / M}
@@ -201,6 +200,20 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
                            out_shardings=(shardings, rep), donate_argnums=0),
         eval_step=jax.jit(eval_step, in_shardings=(shardings, batch_sh), out_shardings=rep),
     )
+
+
+def apply_gradients(tx: optax.GradientTransformationExtraArgs, params, opt_state, grads,
+                    loss: jax.Array) -> tuple[Any, Any, jax.Array, jax.Array]:
+    """The step's parameter update: (params, opt_state, grad_norm, finite).
+
+    A non-finite loss or gradient norm changes nothing (the step counter and the
+    data position still move on); the optimizer applies the skip inside its
+    fused update.
+    """
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, opt_state, params, skip=~finite)
+    return optax.apply_updates(params, updates), opt_state, grad_norm, finite
 
 
 def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float,

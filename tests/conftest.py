@@ -5,10 +5,9 @@ import os
 
 import pytest
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from jaxmoe.fake_devices import cpu_devices_env
+
+os.environ.update(cpu_devices_env(os.environ, 8, force_cpu=False))
 
 
 @pytest.fixture(scope="session")

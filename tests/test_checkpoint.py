@@ -16,6 +16,7 @@ import pytest
 from jaxmoe import checkpoint
 from jaxmoe.config import config_from_dict
 from jaxmoe.data import load_corpus
+from jaxmoe.optim import learning_rate_schedule
 from jaxmoe.sharding import make_mesh
 from jaxmoe.step import build_steps
 from jaxmoe.train import TooManyBadSteps, train
@@ -151,6 +152,12 @@ def test_nan_steps_are_skipped_then_stop(tmp_path):
     by_step = {r["step"]: r for r in lines if "loss" in r}
     assert [by_step[s]["skipped"] for s in range(1, 9)] == [0, 0, 0, 1, 0, 0, 0, 0]
     assert by_step[4]["bad_steps"] == 1 and by_step[5]["bad_steps"] == 0
+    # The logged rate is the one applied: the skipped step 4 does not advance the
+    # schedule, so step 5 takes the third post-warmup rate, as step 4 would have.
+    lr_at = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    applied = [float(lr_at(n)) for n in (0, 1, 2, 3, 3, 4, 5, 6)]
+    np.testing.assert_allclose([by_step[s]["lr"] for s in range(1, 9)], applied, rtol=1e-6)
+    assert float(lr_at(3)) != float(lr_at(4))  # a rate by the step counter would differ
 
     bad.update(range(3, 100))  # from state.step 3 on, every step is bad
     cfg = config_from_dict({**SMALL, "train": {**SMALL["train"], "run_dir": str(tmp_path / "b"),
