@@ -37,10 +37,8 @@ def _block(block: Block, x_BxLxD, positions_BxL, k_BxSxGxHd, v_BxSxGxHd, start):
     S = k_BxSxGxHd.shape[1]
     mask_Bx1xLxS = (positions_BxL[:, :, None] >= jnp.arange(S))[:, None]
     o = jax.nn.dot_product_attention(q, k_BxSxGxHd, v_BxSxGxHd, mask=mask_Bx1xLxS)
-    x_BxLxD = x_BxLxD + block.attn.out(o)
-    h = block.mlp_norm(x_BxLxD)
-    y, aux = block.moe(h) if block.use_moe else (block.mlp(h), {})
-    return x_BxLxD + y, k_BxSxGxHd, v_BxSxGxHd, aux
+    x_BxLxD, aux = block.feed_forward(x_BxLxD + block.attn.out(o))
+    return x_BxLxD, k_BxSxGxHd, v_BxSxGxHd, aux
 
 
 def forward(model: Transformer, tokens_BxL: jax.Array, cache: Cache,

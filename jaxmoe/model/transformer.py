@@ -51,12 +51,18 @@ class Block(nnx.Module):
     def __call__(self, x_BxLxD, positions_BxL, mesh=None, jitter_key=None):
         x_BxLxD = constrain_batch(x_BxLxD, mesh)
         x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL)
+        x_BxLxD, aux = self.feed_forward(x_BxLxD, mesh, jitter_key)
+        return constrain_batch(x_BxLxD, mesh), aux
+
+    def feed_forward(self, x_BxLxD, mesh=None, jitter_key=None):
+        """The block's second half, shared with KV-cache decoding: x + MLP or MoE of
+        norm(x), and the MoE's aux ({} for a dense layer)."""
         h = self.mlp_norm(x_BxLxD)
         if self.use_moe:
             y, aux = self.moe(h, mesh, jitter_key)
         else:
             y, aux = self.mlp(h), {}
-        return constrain_batch(x_BxLxD + y, mesh), aux
+        return x_BxLxD + y, aux
 
 
 def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs) -> Block:
