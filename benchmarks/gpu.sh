@@ -3,14 +3,13 @@
 # Run from the repository root: bash benchmarks/gpu.sh [OUT_DIR]
 # Writes OUT_DIR/gpu_results.txt and one JSON per benchmark (default: ./gpu_out).
 #
-# Each check runs on its own under a time limit (all of them within 8 minutes),
+# Each check runs on its own under a time limit (8 minutes in all; 10 with 8+ GPUs),
 # so one that fails or hangs costs only its own slot; the last line counts the
 # failures. JAXMOE_GPU_SMOKE=1 runs every check at toy shapes: a check of this
 # script itself, on CPU, before a GPU is spent on it.
 set -uo pipefail
 out="${1:-gpu_out}"
 mkdir -p "$out"
-exec > >(tee "$out/gpu_results.txt") 2>&1
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null \
   || export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
@@ -22,7 +21,7 @@ check() {  # check NAME SECONDS COMMAND...: one check; a failure is recorded, no
   local name=$1 limit=$2 rc
   shift 2
   echo "== $name (limit ${limit}s)"
-  timeout "$limit" "$@"
+  timeout -k 10 "$limit" "$@"
   rc=$?
   if [ "$rc" -ne 0 ]; then
     echo "!! $name failed (exit $rc$([ "$rc" -eq 124 ] && echo ', time limit'))"
@@ -30,6 +29,7 @@ check() {  # check NAME SECONDS COMMAND...: one check; a failure is recorded, no
   fi
 }
 
+main() {
 echo "== $(date -u) $(python3 -c 'import jax; print(jax.__version__, jax.devices())')"
 
 # 1. the expert-parallel dispatchers (ragged_all_to_all + ragged_dot for `ragged`)
@@ -124,3 +124,6 @@ fi
 names=$(printf '%s; ' "${failed[@]}")
 echo "== done $(date -u): ${#failed[@]} failed${failed:+: ${names%; }}"
 [ "${#failed[@]}" -eq 0 ]
+}
+
+main 2>&1 | tee "$out/gpu_results.txt"

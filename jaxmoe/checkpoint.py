@@ -94,7 +94,10 @@ def read_meta(directory: str | Path, step: int | None = None,
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {directory / str(step)} has format version {version}; "
                               f"this jaxmoe reads up to {FORMAT_VERSION} (upgrade jaxmoe)")
-    if version < (WEIGHTS_SINCE if weights_only else FORMAT_VERSION):
+    if version < WEIGHTS_SINCE:
+        raise CheckpointError(f"checkpoint {directory / str(step)} has format version {version}, "
+                              f"older than any this jaxmoe reads ({WEIGHTS_SINCE})")
+    if version < FORMAT_VERSION and not weights_only:
         raise CheckpointError(f"checkpoint {directory / str(step)} has format version {version}, "
                               f"whose optimizer state this jaxmoe (format {FORMAT_VERSION}) cannot "
                               f"restore; its weights still load (jaxmoe.load_params, "
@@ -150,7 +153,7 @@ def restore_weights(directory: str | Path, step: int | None = None) -> tuple[nnx
     step, meta = read_meta(directory, step, weights_only=True)
     cfg = config_from_dict(meta["config"])
     _, abs_params, abs_buffers = abstract_model(cfg)
-    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     wanted = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
                           {"params": abs_params, "buffers": abs_buffers})
     weights = _read_state(directory, step, ocp.args.PyTreeRestore(

@@ -52,8 +52,9 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
     """AdamW (decoupled weight decay on matrices only, not norms or biases) after a
     global-norm clip of `cfg.grad_clip` (0 disables).
 
-    `update(grads, state, params, skip=None)`: with `skip` true the returned
-    updates are zero and the state is returned unchanged.
+    `update(grads, state, params, skip=None, grad_norm=None)`: with `skip` true the
+    returned updates are zero and the state is returned unchanged; `grad_norm`, the
+    gradients' global norm when the caller has it already, saves computing it again.
     """
     schedule = learning_rate_schedule(cfg, total_steps)
     b1, b2, eps, wd, clip = cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.grad_clip
@@ -63,12 +64,12 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
         return AdamWState(jnp.zeros([], jnp.int32), jax.tree.map(zeros, params),
                           jax.tree.map(zeros, params))
 
-    def update(grads, state: AdamWState, params=None, *, skip=None, **_):
+    def update(grads, state: AdamWState, params=None, *, skip=None, grad_norm=None, **_):
         if params is None:
             raise ValueError("make_optimizer's AdamW needs params (for weight decay)")
         take = jnp.bool_(True) if skip is None else ~jnp.asarray(skip, bool)
         if clip > 0:
-            norm = optax.tree.norm(grads)
+            norm = optax.tree.norm(grads) if grad_norm is None else grad_norm
             scale = clip / jnp.maximum(norm, clip)
         else:
             scale = jnp.float32(1)

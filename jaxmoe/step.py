@@ -212,7 +212,7 @@ def apply_gradients(tx: optax.GradientTransformationExtraArgs, params, opt_state
     """
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, opt_state, params, skip=~finite)
+    updates, opt_state = tx.update(grads, opt_state, params, skip=~finite, grad_norm=grad_norm)
     return optax.apply_updates(params, updates), opt_state, grad_norm, finite
 
 

@@ -31,6 +31,9 @@ def test_experts_times_steps_and_updates(tmp_path, capsys):
     assert cases["E16"]["params_active"] == pytest.approx(cases["E8"]["params_active"], rel=0.02)
     assert all(c["step_s"] > 0 and c["update_s"] > 0 for c in cases.values())
     assert list(result["ratios"]) == list(result["ratio_if_only_update_differed"]) == ["E16/E8"]
+    e8, e16 = cases["E8"], cases["E16"]
+    assert result["ratio_if_only_update_differed"]["E16/E8"] == pytest.approx(
+        e8["step_s"] / (e8["step_s"] + e16["update_s"] - e8["update_s"]))
     table = capsys.readouterr().out.splitlines()
     assert table[-2].startswith("ratio E16/E8") and "if only the update differed" in table[-1]
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 from jaxmoe import checkpoint
 from jaxmoe.config import config_from_dict
@@ -170,6 +172,27 @@ def test_nan_steps_are_skipped_then_stop(tmp_path):
     at2, at4 = (checkpoint.restore(ckpts, steps, s)[0] for s in (2, 4))
     assert int(at4.bad_steps) == 1  # step 4 was skipped: its parameters are step 3's
     assert not np.array_equal(at2.params["embed"][...], at4.params["embed"][...])
+
+
+def test_a_format_1_checkpoint_loads_its_weights_but_does_not_resume(tmp_path, monkeypatch):
+    """Format 1 saved optax's chained (clip, AdamW) state; the weights are read
+    without it, and resuming is refused by name."""
+    cfg = config_from_dict(SMALL)
+    steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
+    state = steps.init(jax.random.PRNGKey(3))
+    chained = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    old = state._replace(opt_state=chained.init(state.params))
+    monkeypatch.setattr(checkpoint, "FORMAT_VERSION", 1)
+    manager = checkpoint.checkpoint_manager(tmp_path, cfg)
+    checkpoint.save(manager, old, {"step": 0}, cfg)
+    manager.wait_until_finished()
+    monkeypatch.undo()
+    weights, saved_cfg = checkpoint.restore_weights(checkpoint.checkpoint_dir(tmp_path))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(weights),
+                 jax.device_get(nnx.merge_state(state.params, state.buffers)))
+    assert saved_cfg == cfg
+    with pytest.raises(checkpoint.CheckpointError, match="format version 1, whose optimizer state"):
+        checkpoint.restore(checkpoint.checkpoint_dir(tmp_path), steps)
 
 
 def _snapshot(directory):
