@@ -59,7 +59,7 @@ def save(manager: ocp.CheckpointManager, state: TrainState, data_state: dict, cf
 def locate(path: str | Path) -> tuple[Path, int | None]:
     """A run directory, its checkpoints/ directory or one step's directory ->
     (checkpoints directory, step or None for the latest)."""
-    directory = Path(path)
+    directory = Path(path).absolute()  # orbax refuses relative paths
     if (directory / "checkpoints").is_dir():
         return directory / "checkpoints", None
     if directory.name.isdigit():
@@ -162,12 +162,20 @@ def restore_weights(directory: str | Path, step: int | None = None) -> tuple[nnx
 
 
 def _read_state(directory: Path, step: int, args):
-    """The saved state item, read through `args`; damage becomes a CheckpointError."""
+    """The saved state item, read through `args`; damage becomes a CheckpointError.
+
+    Damaged files surface from orbax as OSError (missing files), ValueError (bad
+    JSON) or a bare Exception (TensorStore read errors); any other type is a bug
+    and propagates as itself.
+    """
+    directory = Path(directory).absolute()
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
         read_only=True, create=False))
     try:
         return manager.restore(step, args=ocp.args.Composite(state=args))["state"]
-    except Exception as e:  # orbax raises many types for damaged files
+    except Exception as e:
+        if not (isinstance(e, (OSError, ValueError)) or type(e) is Exception):
+            raise
         raise CheckpointError(f"checkpoint {directory / str(step)} is corrupt or unreadable: "
                               f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
     finally:

@@ -3,6 +3,7 @@ layer inside a user's shard_map and a user's own model; parameters from a checkp
 
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +45,7 @@ def test_init_is_plain_and_matches_training_init(model_and_params):
     steps = build_steps(CFG, make_mesh(MeshConfig(data=1), jax.devices()[:1]))
     state = steps.init(jax.random.key(0))
     trained_from = nnx.merge_state(state.params, state.buffers).to_pure_dict()
-    jax.tree.map(np.testing.assert_array_equal, params, trained_from)
+    chex.assert_trees_all_equal(params, trained_from)
 
 
 def test_apply_equals_module_under_jit_grad_vmap(model_and_params):
@@ -119,8 +120,7 @@ def test_moe_layer_inside_user_shard_map():
     with jax.set_mesh(mesh):  # an Explicit mesh (make_mesh's default) wants it for grad
         grads = jax.grad(lambda p: jnp.sum(sharded(p, x_sharded)[0] ** 2))(p_rep)
     ref_grads = jax.grad(lambda p: jnp.sum(jaxmoe.moe_layer(p, x_BxLxD, cfg)[0] ** 2))(moe_params)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 grads, ref_grads)
+    chex.assert_trees_all_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
     other = jaxmoe.init_moe_layer(cfg, jax.random.key(5))
     other = jax.device_put(other, NamedSharding(mesh, P()))
     assert np.abs(np.asarray(sharded(other, x_sharded)[0]) - np.asarray(y)).max() > 1e-3
@@ -174,7 +174,7 @@ def test_load_params_from_training_checkpoint(tiny_run):
     assert np.abs(params["embed"] - np.asarray(fresh["embed"])).max() > 1e-4  # it trained
     # a step directory works too, and one MoE layer's parameters drop into moe_layer
     step_params, _ = jaxmoe.load_params(tiny_run / "checkpoints" / "4")
-    jax.tree.map(np.testing.assert_array_equal, step_params, params)
+    chex.assert_trees_all_equal(step_params, params)
     y, _ = jaxmoe.moe_layer(jaxmoe.moe_layer_params(params, cfg, 1), jnp.ones((1, 3, 32)), cfg)
     assert y.shape == (1, 3, 32)
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
