@@ -65,7 +65,8 @@ def plan(config_path: str, overrides: list[str], device: str, mfu: float) -> dic
     if cfg.moe.dispatcher == "ragged":
         stand_ins += ["moe.dispatcher=alltoall", "moe.capacity_factor=1.0"]
         notes.append("compiled with the alltoall dispatcher at capacity 1.0 in place of ragged "
-                     "(CPU has no ragged-all-to-all; same tokens moved at uniform load)")
+                     "(on CPU ragged runs through a padded stand-in exchange that moves R x the "
+                     "routed rows; alltoall moves the same tokens as ragged at uniform load)")
     if not cfg.model.attention_block and cfg.train.seq_len % 512 == 0:
         stand_ins.append("model.attention_block=512")
         notes.append("attention compiled blockwise (512 x 512 score blocks) in place of the GPU's "

@@ -1,24 +1,29 @@
 """Expert-parallel dispatchers against the single-device references, on 8 fake devices."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxmoe.config import MeshConfig, MoEConfig
+from jaxmoe.config import ConfigError, MeshConfig, MoEConfig, config_from_dict
 from jaxmoe.model.dispatch import capacity, dense_dispatch, get_dispatcher
 from jaxmoe.model.experts import ExpertWeights, expert_ffn
 from jaxmoe.model.moe import MoE
 from jaxmoe.model.router import Routing, route
-from jaxmoe.parallel import ep_dispatch
+from jaxmoe.parallel import ragged_cpu
 from jaxmoe.parallel.ep_dispatch import ragged_ffn, ragged_plan
 from jaxmoe.sharding import BATCH_AXES, make_mesh, per_device_shapes
+from jaxmoe.step import build_steps
 
 E, K, D, F, T = 8, 2, 16, 32, 64
 MESHES = [(2, 4), (1, 8)]
+# fp32 sums reordered between dispatchers, of at most a few hundred terms (T * K
+# copies into a weight gradient, 2F into an output): rounding stays near
+# sqrt(n) x 2^-24 ~ 1e-6 of the terms' size, 10x under these tolerances.
 ATOL = 1e-5
 
 
@@ -43,8 +48,11 @@ def _with_gates(routing: Routing, gate_TxK) -> Routing:
     return routing._replace(gate_TxK=gate_TxK)
 
 
-def _dispatch_vjp(name, cfg, mesh):
-    """One compiled program: y, dropped and the grads of sum(y * ct) w.r.t. x, gates, weights."""
+def _dispatch_vjp(name, cfg, mesh, batched=False):
+    """One compiled program: y, dropped and the grads of sum(y * ct) w.r.t. x, gates, weights.
+
+    batched: vmapped over a leading axis of every argument.
+    """
     def run(x_TxD, expert_TxK, gate_TxK, w, ct_TxD):
         def f(x, g, w):
             r = Routing(expert_TxK, g, None, None, None)
@@ -53,7 +61,7 @@ def _dispatch_vjp(name, cfg, mesh):
         (y, dropped), vjp = jax.vjp(f, x_TxD, gate_TxK, w)
         grads = vjp((ct_TxD, np.zeros((), jax.dtypes.float0)))
         return y, dropped, grads
-    return jax.jit(run)
+    return jax.jit(jax.vmap(run) if batched else run)
 
 
 def _place(mesh, x, routing, w, ct):
@@ -65,16 +73,20 @@ def _place(mesh, x, routing, w, ct):
 
 
 @pytest.fixture(scope="module")
-def problem():
+def dense():
+    return _dispatch_vjp("dense", _cfg(), None)
+
+
+@pytest.fixture(scope="module")
+def problem(dense):
     kx, kl, kw, kc = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(kx, (T, D))
     routing = route(jax.random.normal(kl, (T, E)), _cfg())
     w = _weights(kw)
     ct = jax.random.normal(kc, (T, D))
-    ref = _dispatch_vjp("dense", _cfg(), None)(x, routing.expert_TxK, routing.gate_TxK, w, ct)
+    ref = dense(x, routing.expert_TxK, routing.gate_TxK, w, ct)
     # A wrong reference: one token's first gate perturbed.
-    bad_gate = routing.gate_TxK.at[5, 0].add(0.3)
-    bad = _dispatch_vjp("dense", _cfg(), None)(x, routing.expert_TxK, bad_gate, w, ct)
+    bad = dense(x, routing.expert_TxK, routing.gate_TxK.at[5, 0].add(0.3), w, ct)
     return x, routing, w, ct, ref, bad
 
 
@@ -166,16 +178,43 @@ def test_alltoall_drops_when_one_expert_takes_everything(problem, tight_alltoall
     assert not _close(np.asarray(y)[~kept_T], np.asarray(y_all)[~kept_T], atol=1e-3)
 
 
-def test_alltoall_partial_drops_match_numpy(problem, tight_alltoall):
-    x, routing, w, ct, (y_ref, _, _), _ = problem
-    mesh, cfg, run = tight_alltoall
-    C = capacity(T // 8, K, E, cfg.capacity_factor)
-    kept = _kept_mask(routing.expert_TxK, C, 8)
+@jax.jit
+def _dense_with_kept_vjp(x_TxD, expert_TxK, gate_TxK, kept_TxK, w, ct_TxD):
+    """The dense reference with dropped copies' gates zeroed, and its vjp."""
+    def f(x, g, w):
+        r = Routing(expert_TxK, g * kept_TxK, None, None, None)
+        return dense_dispatch(x, r, w, _cfg()).y_TxD
+    y, vjp = jax.vjp(f, x_TxD, gate_TxK, w)
+    return y, vjp(ct_TxD)
+
+
+@pytest.mark.parametrize("name", ["grouped", "alltoall"])
+def test_drops_match_numpy_keep_mask_with_gradients(problem, tight_alltoall, name):
+    """Capacity 1.0 drops some copies: outputs and gradients are those of the survivors."""
+    x, routing, w, ct, (y_full, _, g_full), _ = problem
+    if name == "grouped":
+        mesh, cfg = None, _cfg("grouped", factor=1.0)
+        run, args, n_dev = _dispatch_vjp("grouped", cfg, None), (
+            x, routing.expert_TxK, routing.gate_TxK, w, ct), 1
+    else:
+        mesh, cfg, run = tight_alltoall
+        args, n_dev = _place(mesh, x, routing, w, ct), 8
+    C = capacity(T // n_dev, K, E, cfg.capacity_factor)
+    kept = _kept_mask(routing.expert_TxK, C, n_dev)
     assert 0 < (~kept).sum() < kept.size  # this routing overflows some buffers, not all
-    y, dropped, _ = run(*_place(mesh, x, routing, w, ct))
+    y, dropped, grads = run(*args)
+    y_kept, g_kept = _dense_with_kept_vjp(x, routing.expert_TxK, routing.gate_TxK,
+                                          jnp.asarray(kept, jnp.float32), w, ct)
+
     assert int(dropped) == (~kept).sum()
-    y_kept = dense_dispatch(x, _with_gates(routing, routing.gate_TxK * kept), w, cfg).y_TxD
-    assert _close(y, y_kept) and not _close(y, y_ref, atol=1e-3)
+    assert _close(y, y_kept)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(g_kept)):  # x, gates, w
+        assert _close(got, want)
+    assert np.all(np.asarray(grads[1])[~kept] == 0)  # a dropped copy's gate does nothing
+    # teeth: the no-drop answer differs, in y and in every gradient
+    assert not _close(y, y_full, atol=1e-3)
+    for got, full in zip(jax.tree.leaves(grads), jax.tree.leaves(g_full)):
+        assert not _close(got, full, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["alltoall", "allgather", "ragged"])
@@ -289,48 +328,110 @@ def test_ragged_ffn_matches_expert_ffn():
     assert not _close(y[:3], np.asarray(expert_ffn(w, jnp.asarray(x_ExCxD)))[1, :3], atol=1e-3)
 
 
-def _ragged_all_to_all_via_all_to_all(operand, output, input_offsets, send_sizes,
-                                      output_offsets, recv_sizes, *, axis_name,
-                                      axis_index_groups=None):
-    """lax.ragged_all_to_all emulated with all_to_all (XLA:CPU lacks the real one).
+@pytest.fixture(scope="module")
+def ragged_run():
+    """The ragged dispatcher's program per mesh shape, compiled once and reused."""
+    runs = {}
 
-    Every rank sends each destination its whole buffer plus each row's target
-    position there (out of range for rows not in that destination's slices).
-    """
-    R = lax.axis_size(axis_name)
-    S, N, M = input_offsets.shape[0], operand.shape[0], output.shape[0]
-    n = jnp.arange(N)
-    inside_SxN = (n >= input_offsets[:, None]) & (n < (input_offsets + send_sizes)[:, None])
-    pos_SxN = jnp.where(inside_SxN, output_offsets[:, None] + n - input_offsets[:, None], M)
-    pos_RxN = pos_SxN.reshape(R, S // R, N).min(axis=1)
-    rows_RxNxD = lax.all_to_all(jnp.broadcast_to(operand, (R,) + operand.shape),
-                                axis_name, 0, 0, tiled=True)
-    pos_RxN = lax.all_to_all(pos_RxN, axis_name, 0, 0, tiled=True)
-    return output.at[pos_RxN.reshape(-1)].set(rows_RxNxD.reshape(R * N, -1), mode="drop")
+    def get(shape):
+        if shape not in runs:
+            mesh = _mesh(*shape)
+            runs[shape] = mesh, _dispatch_vjp("ragged", _cfg("ragged"), mesh)
+        return runs[shape]
+    return get
 
 
-def test_ragged_dispatch_matches_dense_with_emulated_exchange(problem, monkeypatch):
-    """The real collective cannot run on CPU: check it lowers, then run the rest for real."""
-    x, routing, w, ct, (y_ref, _, g_ref), (y_bad, _, _) = problem
-    mesh = _mesh(2, 4)
-    args = _place(mesh, x, routing, w, ct)
-    run = _dispatch_vjp("ragged", _cfg("ragged"), mesh)
-    hlo = run.lower(*args).as_text()
-    assert hlo.count("custom_call @ragged_all_to_all") == 4  # two forward, two transposed
-
-    monkeypatch.setattr(ep_dispatch.lax, "ragged_all_to_all", _ragged_all_to_all_via_all_to_all)
-    y, dropped, grads = _dispatch_vjp("ragged", _cfg("ragged"), mesh)(*args)
+def _assert_matches(got, want, bad):
+    """(y, dropped, grads) against a reference, and unlike a perturbed one in y and dL/dx."""
+    (y, dropped, grads), (y_ref, _, g_ref), (y_bad, _, g_bad) = got, want, bad
     assert int(dropped) == 0
     assert per_device_shapes(y) == {(T // 8, D)}
     assert _close(y, y_ref) and not _close(y, y_bad, atol=1e-3)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref)):
-        assert _close(got, want)
+    for got_g, want_g in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref)):  # x, gates, w
+        assert got_g.shape == want_g.shape and _close(got_g, want_g)
+    assert not _close(grads[0], g_bad[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"data{s[0]}xexpert{s[1]}")
+def test_ragged_dispatch_runs_on_cpu_and_matches_dense(problem, ragged_run, shape):
+    """The real dispatcher and JAX's own transpose of ragged_all_to_all, on the CPU lowering."""
+    x, routing, w, ct, ref, bad = problem
+    mesh, run = ragged_run(shape)
+    _assert_matches(run(*_place(mesh, x, routing, w, ct)), ref, bad)
+
+
+def _skewed_routing():
+    """Most copies to experts 0, 1 (rank 0 of 4), none to 6, 7 (rank 3 receives nothing)."""
+    logits = jax.random.normal(jax.random.key(5), (T, E))
+    hot_T = jax.random.uniform(jax.random.key(6), (T,)) < 0.8
+    logits = logits.at[:, :2].add(jnp.where(hot_T, 10.0, 0.0)[:, None])
+    routing = route(logits.at[:, 6:].add(-100.0), _cfg())
+    counts_E = np.bincount(np.asarray(routing.expert_TxK).ravel(), minlength=E)
+    assert counts_E[6:].sum() == 0 and counts_E[:2].sum() > 0.75 * T * K
+    return routing
+
+
+def test_ragged_dispatch_skewed_routing(problem, dense, ragged_run):
+    """Very uneven receive buffers and empty groups."""
+    x, _, w, ct, _, _ = problem
+    mesh, run = ragged_run((2, 4))
+    routing = _skewed_routing()
+    ref = dense(x, routing.expert_TxK, routing.gate_TxK, w, ct)
+    bad = dense(x, routing.expert_TxK, routing.gate_TxK.at[5, 0].add(0.3), w, ct)
+    _assert_matches(run(*_place(mesh, x, routing, w, ct)), ref, bad)
+
+
+def test_ragged_dispatch_under_vmap(problem, dense):
+    """A batch of two problems runs ragged_all_to_all's batching rule at size 2."""
+    x, routing, w, ct, (y_ref, _, g_ref), _ = problem
+    skewed, w2 = _skewed_routing(), _weights(jax.random.key(7))
+    x2, ct2 = x[::-1], ct[::-1]
+    ref2 = dense(x2, skewed.expert_TxK, skewed.gate_TxK, w2, ct2)
+    mesh = _mesh(2, 4)
+    # each with its own weights: ragged_dot has no batching rule for shared ones
+    pairs = [(x, x2), (routing.expert_TxK, skewed.expert_TxK),
+             (routing.gate_TxK, skewed.gate_TxK), (w, w2), (ct, ct2)]
+    specs = [P(None, BATCH_AXES)] * 3 + [P(None, "expert"), P(None, BATCH_AXES)]
+    args = [jax.device_put(jax.tree.map(lambda *ab: jnp.stack(ab), a, b), NamedSharding(mesh, spec))
+            for (a, b), spec in zip(pairs, specs)]
+    y, dropped, grads = _dispatch_vjp("ragged", _cfg("ragged"), mesh, batched=True)(*args)
+    assert np.all(np.asarray(dropped) == 0)
+    for i, (y_i, _, g_i) in enumerate([(y_ref, None, g_ref), ref2]):
+        assert _close(y[i], y_i)
+        for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(g_i)):  # x, gates, w
+            assert _close(got[i], want)
+    assert not _close(y[0], y[1], atol=1e-3)  # teeth: the two problems differ
+
+
+def test_ragged_on_cpu_without_the_private_jax_names_is_a_config_error(monkeypatch):
+    import jax._src.lax.parallel as jax_parallel
+    monkeypatch.setattr(ragged_cpu, "_installed", False)
+    monkeypatch.delattr(jax_parallel, "ragged_all_to_all_p")
+    with pytest.raises(ConfigError, match="^moe.dispatcher: 'ragged' on CPU"):
+        ragged_cpu.install_cpu_lowering()
+
+
+_A2A = re.compile(r"stablehlo\.all_to_all.*: \(tensor<([^>]*)>\)")
+
+
+def test_ragged_lowers_to_the_real_op_for_gpu_and_the_padded_one_for_cpu(problem, ragged_run):
+    x, routing, w, ct, _, _ = problem
+    mesh, run = ragged_run((2, 4))
+    traced = run.trace(*_place(mesh, x, routing, w, ct))
+    gpu = traced.lower(lowering_platforms=("cuda",)).as_text()
+    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert gpu.count("custom_call @ragged_all_to_all") == 4  # two forward, two transposed
+    # JAX's transpose rule exchanges the [E] int32 offsets; no row ever goes through all_to_all.
+    assert _A2A.findall(gpu) == [f"{E}xi32"] * 4
+    assert "ragged_all_to_all" not in cpu
+    moved_rows = [t for t in _A2A.findall(cpu) if t.endswith("f32")]
+    assert len(moved_rows) == 4  # the padded stand-in: one per exchange
 
 
 # ------------------------------------------------------------------ through the MoE module
 
 
-def test_moe_module_alltoall_matches_dense():
+def test_moe_module_ep_matches_dense():
     B, L = 8, 8
     x = jax.random.normal(jax.random.key(4), (B, L, D))
     mesh = _mesh(2, 4)
@@ -343,8 +444,9 @@ def test_moe_module_alltoall_matches_dense():
     ref_state, dense = build(_cfg("dense"))
     y_ref, aux_ref = dense(ref_state, x, None)
     xs = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
-    for factor, drops in [(E / K, False), (0.5, True)]:
-        state, ep = build(_cfg("alltoall", factor))
+    for name, factor, drops in [("alltoall", E / K, False), ("alltoall", 0.5, True),
+                                ("ragged", 0.5, False)]:  # ragged is dropless at any factor
+        state, ep = build(_cfg(name, factor))
         assert all(np.array_equal(a, b) for a, b in
                    zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)))
         y, aux = ep(state, xs, mesh)
@@ -354,3 +456,50 @@ def test_moe_module_alltoall_matches_dense():
         assert _close(aux["balance_loss"], aux_ref["balance_loss"])
         assert (int(aux["dropped"]) > 0) == drops
         assert _close(y, y_ref) != drops
+
+
+# ------------------------------------------------------------------ through a train step
+
+STEP = {
+    "model": {"d_model": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2},
+    "moe": {"num_experts": E, "top_k": K, "expert_hidden": F, "balance_scope": "global"},
+    "train": {"steps": 1, "batch_size": 16, "seq_len": 16},
+    "optimizer": {"warmup_steps": 0},
+    "mesh": {"data": 2, "expert": 4},
+}
+TOKENS = np.random.default_rng(0).integers(0, 256, (16, 17), dtype=np.int32)
+
+
+def _train_step(dispatcher, factor, init=None):
+    """One compiled train step from a fixed initial state (built here unless given):
+    tokens -> (loss, grad norm, drops, the gradients' first moment), and that state."""
+    cfg = config_from_dict({**STEP, "moe": {**STEP["moe"], "dispatcher": dispatcher,
+                                            "capacity_factor": factor}})
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    init = jax.device_get(steps.init(jax.random.PRNGKey(0))) if init is None else init
+
+    def run(tokens):
+        state = jax.device_put(init, steps.state_shardings)
+        state, m = steps.train_step(state, jax.device_put(tokens, steps.batch_sharding))
+        return (float(m["loss"]), float(m["grad_norm"]), float(m["drop_fraction"].sum()),
+                jax.device_get(state.opt_state.mu))
+    return run, init
+
+
+def test_ragged_train_step_equals_alltoall_without_drops():
+    """The same math on 8 devices: a capacity of E / K x the uniform share drops nothing."""
+    alltoall, init = _train_step("alltoall", E / K)
+    ragged, _ = _train_step("ragged", 1.0, init)  # the dispatcher does not change the weights
+    loss, norm, drops, mu = ragged(TOKENS)
+    ref_loss, ref_norm, ref_drops, ref_mu = alltoall(TOKENS)
+    assert drops == ref_drops == 0
+    # a loss over 256 tokens and a norm over every gradient: reordered fp32 sums
+    assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
+    close = lambda a, b: _close(a, b, atol=1e-5 * float(np.abs(b).max()))  # noqa: E731
+    assert all(jax.tree.leaves(jax.tree.map(close, mu, ref_mu)))
+    # teeth: one sequence changed moves the expert weights' gradients beyond that tolerance
+    other = TOKENS.copy()
+    other[3] = np.roll(other[3], 1)
+    *_, other_mu = alltoall(other)
+    experts = lambda m: m["moe_layers"]["moe"]["experts"]  # noqa: E731
+    assert not any(jax.tree.leaves(jax.tree.map(close, experts(other_mu), experts(ref_mu))))

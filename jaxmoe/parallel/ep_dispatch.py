@@ -11,8 +11,10 @@ global view, so neither the router nor the expert weights change.
 - `alltoall`: capacity-bounded, fixed [R, El, C, D] buffers and `all_to_all`.
 - `allgather`: dropless; gathers the expert group's tokens, runs the local
   experts on all of them, `psum_scatter`s each device its own tokens back.
-- `ragged` (GPU): dropless; `ragged_all_to_all` moves only the routed rows and
-  the local experts run as `ragged_dot` group GEMMs.
+- `ragged` (for GPU): dropless; `ragged_all_to_all` moves only the routed rows
+  and the local experts run as `ragged_dot` group GEMMs. XLA:CPU lacks the
+  exchange, so on CPU it runs on a padded stand-in lowering (`ragged_cpu`),
+  exact but O(R x N), for tests.
 
 All routing metadata (slots, counts, offsets) is computed and used on device.
 The stage axis is absent from every spec: these functions run replicated over it.
@@ -20,6 +22,7 @@ The stage axis is absent from every spec: these functions run replicated over it
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -33,6 +36,7 @@ from jaxmoe.model.dispatch import (Dispatched, buffer_slots, capacity, combine_r
 from jaxmoe.model.experts import ExpertWeights, expert_ffn
 from jaxmoe.model.router import Routing
 from jaxmoe.ops.mx import mx_ragged_linear
+from jaxmoe.parallel.ragged_cpu import install_cpu_lowering
 from jaxmoe.sharding import BATCH_AXES
 
 TOKENS = P(BATCH_AXES)  # leading token dim split over ("data", "expert")
@@ -175,7 +179,7 @@ def ragged_ffn(w: ExpertWeights, x_MxD: jax.Array, group_sizes_El: jax.Array,
     """`expert_ffn` on rows grouped contiguously by expert (rows past the groups are unused)."""
     dt = x_MxD.dtype
     if cfg is not None and cfg.expert_precision == "mxfp8":
-        matmul = mx_ragged_linear
+        matmul = functools.partial(mx_ragged_linear, scale_rule=cfg.mxfp8_scale)
     else:
         matmul = lambda x, w, sizes: lax.ragged_dot(x, w.astype(dt), sizes)  # noqa: E731
     h_Mx2F = matmul(x_MxD, w.w_gate_up_ExDx2F, group_sizes_El)
@@ -186,15 +190,19 @@ def ragged_ffn(w: ExpertWeights, x_MxD: jax.Array, group_sizes_El: jax.Array,
 @register("ragged")
 def ragged_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
                     mesh: Mesh | None = None) -> Dispatched:
-    """Dropless EP that moves only the routed rows (GPU: XLA:CPU lacks ragged-all-to-all).
+    """Dropless EP that moves only the routed rows.
 
     Copies are sorted by expert (hence by destination rank), every rank's
     per-expert counts are all-gathered (R * E ints), and each rank derives the
     exchange offsets from them (`ragged_plan`). The receive buffer has the static
     worst-case size R * Tl * K rows: every source could route every copy here.
+    On a CPU mesh the exchange lowers to `ragged_cpu`'s padded all_to_all (XLA:CPU
+    has no ragged-all-to-all); GPU programs keep the real op.
     """
     R, El = _ep_layout(cfg, mesh, "ragged")
     E, K = cfg.num_experts, cfg.top_k
+    if mesh.devices.flat[0].platform == "cpu":
+        install_cpu_lowering()
 
     def local(x_TlxD, expert_TlxK, gate_TlxK, w_local):
         Tl, D = x_TlxD.shape
@@ -206,10 +214,13 @@ def ragged_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
         counts_E = jnp.zeros((E,), jnp.int32).at[expert_N].add(1)
         plan = ragged_plan(lax.all_gather(counts_E, "expert"), lax.axis_index("expert"), El)
         send_NxD = gather_rows(x_TlxD, slot_N, token_N, N)
-        recv_MxD = lax.ragged_all_to_all(send_NxD, jnp.zeros((R * N, D), x_TlxD.dtype),
+        # The exchange's result has its output buffer's type, so the buffers are
+        # zeros_like the rows sent (device-varying): an invariant one would make
+        # autodiff sum the result's cotangent over the devices.
+        recv_MxD = lax.ragged_all_to_all(send_NxD, jnp.zeros_like(send_NxD, shape=(R * N, D)),
                                          *plan.forward, axis_name="expert")
         y_MxD = ragged_ffn(w_local, recv_MxD, plan.group_sizes_El, cfg)
-        back_NxD = lax.ragged_all_to_all(y_MxD, jnp.zeros((N, D), y_MxD.dtype),
+        back_NxD = lax.ragged_all_to_all(y_MxD, jnp.zeros_like(y_MxD, shape=(N, D)),
                                          *plan.backward, axis_name="expert")
         return combine_rows(back_NxD, slot_N, gate_TlxK.T)
 
