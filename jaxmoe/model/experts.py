@@ -30,7 +30,8 @@ def expert_ffn(w: ExpertWeights, x_ExCxD: jax.Array, cfg: MoEConfig | None = Non
     """
     dt = x_ExCxD.dtype
     if cfg is not None and cfg.expert_precision == "mxfp8":
-        matmul = functools.partial(mx_linear, mxfp8_weight_grad=cfg.mxfp8_weight_grad)
+        matmul = functools.partial(mx_linear, mxfp8_weight_grad=cfg.mxfp8_weight_grad,
+                                   scale_rule=cfg.mxfp8_scale)
     else:
         matmul = lambda x, w: jnp.einsum("eck,ekn->ecn", x, w.astype(dt))  # noqa: E731
     h_ExCx2F = matmul(x_ExCxD, w.w_gate_up_ExDx2F)

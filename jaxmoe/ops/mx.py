@@ -1,30 +1,45 @@
 """MXFP8 (OCP Microscaling) quantisation: blocks of 32 values share one scale.
 
 Each block of 32 consecutive values along the contraction axis is stored as
-float8_e4m3fn elements times one power-of-two scale in float8_e8m0fnu.
+float8_e4m3fn elements times one power-of-two scale X in float8_e8m0fnu.
 
-Scale choice: X = 2^ceil(log2(amax / 448)), the smallest power of two that maps
-the block's max magnitude into e4m3's range (|v| / X <= 448). The spec's
-floor-based rule (2^(floor(log2 amax) - 8)) can put amax / X up to 511 and
-saturate the top of the block by up to 12.5%; rounding the exponent up never
-saturates and costs at most one bit of the smallest values' range.
-Elements: v / X rounded to nearest, ties to even (XLA's float -> e4m3fn cast).
-Bounds: relative error <= 2^-4 for |v| / X >= 2^-6 (e4m3 normals); below that
-(subnormals) absolute error <= 2^-10 * X.
-Special values: an all-zero block gets the smallest scale 2^-127 and zero
-elements; a block holding a NaN or an Inf gets the NaN scale (e8m0 0xFF), so the
-whole block dequantises to NaN (e4m3fn has no Inf). Scales clamp to [2^-127, 2^127].
+Scale rules (`scale_rule`, config `moe.mxfp8_scale`), with amax the block's max |v|:
+- "ceil" (default): X = 2^ceil(log2(amax / 448)), the smallest power of two that
+  maps amax into e4m3's range; what cuBLAS and Transformer Engine use (RCEIL).
+  amax / X lies in (224, 448]: nothing saturates, and the block's smallest values
+  lose at most one binade to the subnormal range compared with "floor".
+- "floor": X = 2^(floor(log2 amax) - 8), the OCP MX v1.0 spec's rule (8: the
+  exponent of e4m3's largest normal). amax / X lies in [256, 512): values past 448
+  saturate, clipping the top of a block by up to 12.5%.
+Either exponent is clamped to e8m0's [-127, 127]; an all-zero block gets 2^-127.
+Elements: v / X rounded to nearest, ties to even (XLA's float32 -> e4m3fn cast),
+saturating at +-448 as the spec allows. Subnormal e4m3 results (multiples of 2^-9)
+are kept.
+Special values: a block holding a NaN or an Inf gets the NaN scale (e8m0 0xFF) and
+NaN elements, so the whole block dequantises to NaN (e4m3fn has no Inf).
+tests/mx_reference.py is an independent NumPy reading of the spec that the tests
+hold `quantize` to, bit for bit, under both rules.
+
+Exponents, scalings by powers of two and dequantisation work on float32 bit
+fields: XLA:CPU treats float32 subnormals as zero in arithmetic and its exp2 and
+log2 are not exact at integers, and either would change the bits of a block.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 BLOCK = 32
 E4M3_MAX = 448.0
+SCALE_RULES = ("ceil", "floor")
+ScaleRule = Literal["ceil", "floor"]
+
+_MAG = 0x7FFFFFFF  # float32 bits without the sign
+_INF = 0x7F800000  # float32 bits of Inf; magnitudes at or above it are Inf or NaN
 
 
 def _blocks(x: jax.Array, axis: int) -> jax.Array:
@@ -34,38 +49,79 @@ def _blocks(x: jax.Array, axis: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
 
 
-def quantize(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
+def _unblock(xb: jax.Array, axis: int) -> jax.Array:
+    return jnp.moveaxis(xb.reshape(*xb.shape[:-2], -1), -1, axis)
+
+
+def _fields(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 x -> (sign bit, m, k) with |x| = m * 2^k, m an integer below 2^24."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    biased, frac = (bits & _MAG) >> 23, bits & 0x7FFFFF
+    m = jnp.where(biased > 0, frac | 0x800000, frac)
+    k = jnp.where(biased > 0, biased - 150, -149)
+    return bits & ~_MAG, m, k
+
+
+def _compose(sign: jax.Array, m: jax.Array, k: jax.Array) -> jax.Array:
+    """The float32 with `sign` and magnitude m * 2^k (m below 2^24), exact wherever that
+    is a float32; Inf above float32's range; below its subnormals truncated."""
+    width = 32 - jax.lax.clz(m)  # bits in m; 0 for m = 0
+    e = width - 1 + k  # floor(log2 |x|)
+    normal = ((e + 127) << 23) | ((m << (24 - width)) & 0x7FFFFF)
+    up = k + 149  # subnormal: the integer m * 2^(k + 149) in units of 2^-149
+    subnormal = jnp.where(up >= 0, m << jnp.clip(up, 0, 31), m >> jnp.clip(-up, 0, 31))
+    bits = jnp.where(e >= -126, normal, subnormal)
+    bits = jnp.where(e > 127, _INF, jnp.where(m == 0, 0, bits))
+    return jax.lax.bitcast_convert_type(bits | sign, jnp.float32)
+
+
+def _exponents(amax_bits: jax.Array, scale_rule: ScaleRule) -> jax.Array:
+    """Unbiased scale exponent from the bits of a finite block max."""
+    biased, frac = amax_bits >> 23, amax_bits & 0x7FFFFF
+    e = biased - 127 - 8  # floor(log2 amax) - 8
+    if scale_rule == "ceil":  # amax > 1.75 * 2^floor(log2 amax), and 448 = 1.75 * 2^8
+        e = e + (frac > 0x600000)
+    # a zero or subnormal amax is far below e8m0's floor; float32's max never reaches
+    # its top (exponent 119 under floor, 120 under ceil)
+    return jnp.clip(jnp.where(biased > 0, e, -127), -127, 127)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "scale_rule"))
+def quantize(x: jax.Array, axis: int = -1,
+             scale_rule: ScaleRule = "ceil") -> tuple[jax.Array, jax.Array]:
     """x -> (elements e4m3fn, same shape as x; scales e8m0fnu, axis divided by 32)."""
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"MX scale rule {scale_rule!r} is not one of {list(SCALE_RULES)}")
     xb = _blocks(x.astype(jnp.float32), axis)  # [..., nblocks, 32]
-    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
-    finite = jnp.all(jnp.isfinite(xb), axis=-1, keepdims=True)
-    exponent = jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-38) / E4M3_MAX))
-    exponent = jnp.clip(jnp.where(amax > 0, exponent, -127.0), -127.0, 127.0)
-    # e8m0 is a bare biased exponent (0xFF = NaN); built from bits, since 2^-127
-    # is an fp32 subnormal that a float cast may flush to zero
-    bits = jnp.where(finite, exponent + 127.0, 255.0).astype(jnp.uint8)
-    scale = jax.lax.bitcast_convert_type(bits[..., 0], jnp.float8_e8m0fnu)
-    # a power-of-two scaling is exact; the clip only guards rounding at the top
-    scaled = jnp.clip(xb * jnp.exp2(-exponent), -E4M3_MAX, E4M3_MAX)
-    elements = jnp.where(finite, scaled, jnp.nan).astype(jnp.float8_e4m3fn)
-    elements = jnp.moveaxis(elements.reshape(*elements.shape[:-2], -1), -1, axis)
-    scales = jnp.moveaxis(scale, -1, axis)
-    return elements, scales
+    # magnitudes order as their bit patterns, NaN and Inf above every finite value
+    amax_bits = jnp.max(jax.lax.bitcast_convert_type(xb, jnp.int32) & _MAG, axis=-1)
+    finite = amax_bits < _INF
+    e = _exponents(jnp.where(finite, amax_bits, 0), scale_rule)
+    sign, m, k = _fields(xb)
+    scaled = jnp.clip(_compose(sign, m, k - e[..., None]), -E4M3_MAX, E4M3_MAX)
+    elements = jnp.where(finite[..., None], scaled, jnp.nan).astype(jnp.float8_e4m3fn)
+    # e8m0 is a bare biased exponent, 0xFF = NaN
+    bits = jnp.where(finite, e + 127, 255).astype(jnp.uint8)
+    scales = jnp.moveaxis(jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu), -1, axis)
+    return _unblock(elements, axis), scales
 
 
+@functools.partial(jax.jit, static_argnames=("axis", "dtype"))
 def dequantize(elements: jax.Array, scales: jax.Array, axis: int = -1,
                dtype=jnp.float32) -> jax.Array:
+    """(elements, scales) -> element * 2^scale, exact: every MXFP8 value up to float32's
+    max is a float32 (those above, only reached by rounding at its top, become Inf)."""
     eb = _blocks(elements.astype(jnp.float32), axis)
-    bits = jax.lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.float32)
-    scale = jnp.where(bits == 255, jnp.nan, jnp.exp2(bits - 127.0))
-    s = jnp.moveaxis(scale, axis, -1)[..., None]
-    out = (eb * s).reshape(*eb.shape[:-2], -1)
-    return jnp.moveaxis(out, -1, axis).astype(dtype)
+    bits = jax.lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
+    s = jnp.moveaxis(bits, axis, -1)[..., None]
+    sign, m, k = _fields(eb)
+    out = jnp.where(jnp.isnan(eb) | (s == 255), jnp.nan, _compose(sign, m, k + s - 127))
+    return _unblock(out, axis).astype(dtype)
 
 
-def fake_quantize(x: jax.Array, axis: int = -1) -> jax.Array:
+def fake_quantize(x: jax.Array, axis: int = -1, scale_rule: ScaleRule = "ceil") -> jax.Array:
     """Quantise-dequantise round trip in x's dtype: what an MXFP8 GEMM sees of x."""
-    return dequantize(*quantize(x, axis), axis=axis, dtype=x.dtype)
+    return dequantize(*quantize(x, axis, scale_rule), axis=axis, dtype=x.dtype)
 
 
 # ---------------------------------------------------------------- MXFP8 batched matmul
@@ -77,10 +133,10 @@ def _native() -> bool:
     return device.platform == "gpu" and float(getattr(device, "compute_capability", 0)) >= 10
 
 
-def _quantized_operands(a_BxMxK: jax.Array, b_BxNxK: jax.Array):
+def _quantized_operands(a_BxMxK: jax.Array, b_BxNxK: jax.Array, scale_rule: ScaleRule):
     """What an MXFP8 GEMM reads of its operands: (elements, scales) pairs where the
     hardware takes them natively, else the dequantised fp32 values."""
-    qa, qb = quantize(a_BxMxK), quantize(b_BxNxK)
+    qa, qb = quantize(a_BxMxK, -1, scale_rule), quantize(b_BxNxK, -1, scale_rule)
     if _native():
         return qa, qb
     return dequantize(*qa), dequantize(*qb)
@@ -96,14 +152,15 @@ def _gemm(a, b, out_dtype) -> jax.Array:
     return out.astype(out_dtype)
 
 
-def mx_bmm(a_BxMxK: jax.Array, b_BxNxK: jax.Array, out_dtype) -> jax.Array:
+def mx_bmm(a_BxMxK: jax.Array, b_BxNxK: jax.Array, out_dtype,
+           scale_rule: ScaleRule = "ceil") -> jax.Array:
     """[B, M, K] x [B, N, K] -> [B, M, N], both operands MXFP8 along K, fp32 accumulation.
 
     Native block-scaled GEMM where the backend has one; elsewhere the same
     quantisation, dequantised, in an fp32 einsum (bit-for-bit the inputs the
     hardware would see, so CPU runs predict GPU numerics).
     """
-    return _gemm(*_quantized_operands(a_BxMxK, b_BxNxK), out_dtype)
+    return _gemm(*_quantized_operands(a_BxMxK, b_BxNxK, scale_rule), out_dtype)
 
 
 def _varying(a: jax.Array) -> frozenset:
@@ -129,32 +186,35 @@ def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
 # check rejects the batched forward). Their backward rules may quantise freely.
 
 
-def mx_linear(x_ExCxK: jax.Array, w_ExKxN: jax.Array, mxfp8_weight_grad: bool = False) -> jax.Array:
+def mx_linear(x_ExCxK: jax.Array, w_ExKxN: jax.Array, mxfp8_weight_grad: bool = False,
+              scale_rule: ScaleRule = "ceil") -> jax.Array:
     """Per-expert x @ w with MXFP8 operands in the forward and the input gradient.
 
     Forward: x blocked along K, w along K. Input gradient dx = dy @ w^T: dy and w
     blocked along N. Weight gradient dw = x^T @ dy over the rows C: bf16 operands
     with fp32 accumulation, or MXFP8 blocked along C when `mxfp8_weight_grad`.
+    Every quantisation uses `scale_rule`.
     """
-    qx, qw = jax.lax.stop_gradient(_quantized_operands(x_ExCxK, jnp.swapaxes(w_ExKxN, 1, 2)))
-    return _mx_linear(x_ExCxK, w_ExKxN, qx, qw, mxfp8_weight_grad)
+    qx, qw = jax.lax.stop_gradient(
+        _quantized_operands(x_ExCxK, jnp.swapaxes(w_ExKxN, 1, 2), scale_rule))
+    return _mx_linear(x_ExCxK, w_ExKxN, qx, qw, mxfp8_weight_grad, scale_rule)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _mx_linear(x, w, qx, qw, mxfp8_weight_grad):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _mx_linear(x, w, qx, qw, mxfp8_weight_grad, scale_rule):
     return _gemm(qx, qw, x.dtype)
 
 
-def _mx_linear_fwd(x, w, qx, qw, mxfp8_weight_grad):
+def _mx_linear_fwd(x, w, qx, qw, mxfp8_weight_grad, scale_rule):
     return _gemm(qx, qw, x.dtype), (x, w)
 
 
-def _mx_linear_bwd(mxfp8_weight_grad, res, dy_ExCxN):
+def _mx_linear_bwd(mxfp8_weight_grad, scale_rule, res, dy_ExCxN):
     x, w = res
-    dx = mx_bmm(dy_ExCxN, w, jnp.float32)  # contracts N: [E, C, N] x [E, K, N]
+    dx = mx_bmm(dy_ExCxN, w, jnp.float32, scale_rule)  # contracts N: [E, C, N] x [E, K, N]
     xt, dyt = jnp.swapaxes(x, 1, 2), jnp.swapaxes(dy_ExCxN, 1, 2)  # [E, K, C], [E, N, C]
     if mxfp8_weight_grad:
-        dw = mx_bmm(xt, dyt, jnp.float32)
+        dw = mx_bmm(xt, dyt, jnp.float32, scale_rule)
     else:
         dw = jnp.einsum("ekc,enc->ekn", xt.astype(jnp.bfloat16), dyt.astype(jnp.bfloat16),
                         preferred_element_type=jnp.float32)
@@ -164,28 +224,31 @@ def _mx_linear_bwd(mxfp8_weight_grad, res, dy_ExCxN):
 _mx_linear.defvjp(_mx_linear_fwd, _mx_linear_bwd)
 
 
-def mx_ragged_linear(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+def mx_ragged_linear(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array,
+                     scale_rule: ScaleRule = "ceil") -> jax.Array:
     """`lax.ragged_dot` (rows grouped contiguously per expert) with MXFP8 operands in the
-    forward and the input gradient, bf16 weight gradients; emulated on every backend
-    (no native block-scaled ragged GEMM is exposed)."""
-    fx, fw = jax.lax.stop_gradient((fake_quantize(x_MxK, -1), fake_quantize(w_GxKxN, 1)))
-    return _mx_ragged_linear(x_MxK, w_GxKxN, group_sizes_G, fx, fw)
+    forward (x and w blocked along K) and the input gradient (dy and w along N), bf16
+    weight gradients; emulated on every backend (no native block-scaled ragged GEMM
+    is exposed)."""
+    fx, fw = jax.lax.stop_gradient(
+        (fake_quantize(x_MxK, -1, scale_rule), fake_quantize(w_GxKxN, 1, scale_rule)))
+    return _mx_ragged_linear(x_MxK, w_GxKxN, group_sizes_G, fx, fw, scale_rule)
 
 
-@jax.custom_vjp
-def _mx_ragged_linear(x, w, group_sizes, fx, fw):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mx_ragged_linear(x, w, group_sizes, fx, fw, scale_rule):
     return jax.lax.ragged_dot(fx, fw, group_sizes,
                               preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _mx_ragged_fwd(x, w, group_sizes, fx, fw):
-    return _mx_ragged_linear(x, w, group_sizes, fx, fw), (x, w, group_sizes)
+def _mx_ragged_fwd(x, w, group_sizes, fx, fw, scale_rule):
+    return _mx_ragged_linear(x, w, group_sizes, fx, fw, scale_rule), (x, w, group_sizes)
 
 
-def _mx_ragged_bwd(res, dy_MxN):
+def _mx_ragged_bwd(scale_rule, res, dy_MxN):
     x, w, group_sizes = res
-    w_GxNxK = jnp.swapaxes(fake_quantize(w, 2), 1, 2)
-    dx = jax.lax.ragged_dot(fake_quantize(dy_MxN, -1), w_GxNxK, group_sizes,
+    w_GxNxK = jnp.swapaxes(fake_quantize(w, 2, scale_rule), 1, 2)
+    dx = jax.lax.ragged_dot(fake_quantize(dy_MxN, -1, scale_rule), w_GxNxK, group_sizes,
                             preferred_element_type=jnp.float32)
     _, weight_vjp = jax.vjp(
         lambda w_: jax.lax.ragged_dot(x.astype(jnp.bfloat16), w_.astype(jnp.bfloat16), group_sizes,
