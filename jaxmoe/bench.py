@@ -249,10 +249,16 @@ def bench_parallel(a: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------- pipeline
 
 
+PIPELINE_LAYOUTS = {"S=1": (1, 1), "S=2": (2, 1), "S=4": (4, 1), "S=2 V=2": (2, 2),
+                    "S=4 V=2": (4, 2)}  # name: (stages S, virtual stages V)
+
+
 def _pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/cpu8_ep.yaml")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--layouts", nargs="+", choices=list(PIPELINE_LAYOUTS),
+                   default=list(PIPELINE_LAYOUTS), help="which layouts to time (S=1 always runs)")
 
 
 @subcommand("pipeline", _pipeline_args,
@@ -261,7 +267,8 @@ def bench_pipeline(a: argparse.Namespace) -> dict:
     from jaxmoe.parallel.pipeline import bubble_fraction
 
     M = a.microbatches
-    layout = {"S=1": (1, 1), "S=2": (2, 1), "S=4": (4, 1), "S=2 V=2": (2, 2), "S=4 V=2": (4, 2)}
+    layout = {name: PIPELINE_LAYOUTS[name] for name in PIPELINE_LAYOUTS
+              if name == "S=1" or name in a.layouts}
     common = ["mesh.expert=1", "moe.dispatcher=grouped", "model.num_layers=9",
               "model.num_dense_layers=1"]
     cases = {name: common + [f"mesh.stage={S}", f"mesh.data={8 // S}",

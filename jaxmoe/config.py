@@ -63,6 +63,9 @@ class MoEConfig:
     # expert GEMMs: in model.compute_dtype, or MXFP8 (e4m3 blocks of 32 with e8m0 scales)
     expert_precision: Literal["compute", "mxfp8"] = "compute"
     mxfp8_weight_grad: bool = False  # mxfp8: weight gradients in MXFP8 too (else bf16)
+    # mxfp8 block scale: "ceil" 2^ceil(log2(amax / 448)), never saturating (cuBLAS's and
+    # Transformer Engine's RCEIL), or "floor" 2^(floor(log2 amax) - 8), the OCP MX spec's
+    mxfp8_scale: Literal["ceil", "floor"] = "ceil"
     balance_loss_weight: float = 0.01
     # tokens over which the Switch loss's f and P are taken: each device's
     # micro-batch, each sequence, or the whole (micro)batch across data-parallel ranks
@@ -365,13 +368,14 @@ class ParamCounts:
     total: int
     active: int  # parameters touched by one token: top-k of the routed experts
     embedding: int  # input embedding table (a lookup, no matmul FLOPs)
+    norm: int  # norm scales (elementwise, no matmul FLOPs)
 
 
 def param_counts(c: Config) -> ParamCounts:
     m, moe = c.model, c.moe
     d, hd = m.d_model, m.head_size
-    attn = d * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + 2 * d  # q, k, v, o + 2 norms
-    attn += 2 * hd if m.qk_norm else 0
+    layer_norms = 2 * d + (2 * hd if m.qk_norm else 0)
+    attn = d * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + layer_norms  # q, k, v, o + norms
     dense_mlp = 3 * d * m.mlp_hidden
     shared = 3 * d * moe.shared_expert_hidden
     expert = 3 * d * moe.expert_hidden
@@ -382,7 +386,8 @@ def param_counts(c: Config) -> ParamCounts:
     total = outer + m.num_layers * attn + L_dense * dense_mlp
     total += L_moe * (router + shared + moe.num_experts * expert)
     active = total - L_moe * (moe.num_experts - moe.top_k) * expert
-    return ParamCounts(total=total, active=active, embedding=embed)
+    return ParamCounts(total=total, active=active, embedding=embed,
+                       norm=m.num_layers * layer_norms + d)
 
 
 def flops_per_token(c: Config) -> float:
@@ -393,6 +398,6 @@ def flops_per_token(c: Config) -> float:
     """
     m = c.model
     counts = param_counts(c)
-    matmul_params = counts.active - counts.embedding
+    matmul_params = counts.active - counts.embedding - counts.norm
     attention = 12 * m.num_layers * m.num_heads * m.head_size * c.train.seq_len
     return 6.0 * matmul_params + attention

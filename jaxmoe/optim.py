@@ -39,7 +39,8 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     if cfg.schedule == "cosine":
         after = optax.cosine_decay_schedule(peak, max(rest, 1), alpha=cfg.min_lr_ratio)
     elif cfg.schedule == "wsd":
-        decay = max(int(round(total_steps * cfg.decay_fraction)), 1)
+        # a decay longer than the post-warmup run starts at warmup's end
+        decay = min(max(int(round(total_steps * cfg.decay_fraction)), 1), max(rest, 1))
         after = optax.join_schedules(
             [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)],
             [max(rest - decay, 0)])

@@ -1,9 +1,11 @@
-"""The benchmark CLI at tiny shapes: the one-device subcommands run, print their
-tables and write the numbers they report. Timings themselves are not tested;
-figures come from real runs, recorded in benchmarks/RESULTS.md."""
+"""The benchmark CLI at tiny shapes: the subcommands run, print their tables and
+write the numbers they report, consistent with each other and with arithmetic.
+Timings themselves are not tested; figures come from real runs, recorded in
+benchmarks/RESULTS.md."""
 
 import json
 
+import jax
 import pytest
 
 from jaxmoe import bench
@@ -47,3 +49,92 @@ def test_moe_and_step(tmp_path):
     step = _run(tmp_path, ["step", *ONCE, "--matmul-size", "64", *SETS])
     assert step["train_step"]["model_flops"] > 0 and step["mfu_vs_matmul"] > 0
     assert step["malloc"] == "default"
+
+
+# --- the 8-device subcommands, on a toy config (conftest gives this process 8 devices)
+
+TOY = """\
+model: {vocab_size: 256, d_model: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1,
+        num_dense_layers: 1, mlp_hidden: 64}
+moe: {num_experts: 8, top_k: 2, expert_hidden: 16, capacity_factor: 1.5}
+train: {batch_size: 16, seq_len: 16}
+optimizer: {warmup_steps: 1}
+"""
+
+
+def _table(lines, header):
+    """The printed table from its header row on: {first cell: remaining cells}."""
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = [line.split("  ") for line in lines[start + 1:]]
+    return {cells[0].strip(): [c.strip() for c in cells[1:] if c.strip()] for cells in rows}
+
+
+@pytest.mark.slow
+def test_parallel_reports_consistent_times_and_collective_bytes(tmp_path, capsys):
+    from flax import nnx
+
+    from jaxmoe.config import load_config
+    from jaxmoe.model.dispatch import capacity
+    from jaxmoe.model.transformer import Transformer
+    from jaxmoe.parallel.collectives import KINDS
+    config = tmp_path / "toy.yaml"
+    config.write_text(TOY)
+    result = _run(tmp_path, ["parallel", *ONCE, "--config", str(config)])
+    cases = result["cases"]
+    assert list(cases) == list(bench.PARALLEL_CASES)
+    first = cases["ddp+alltoall 2x4"]
+    for c in cases.values():
+        assert c["step_s"] > 0
+        assert c["vs_ddp+alltoall 2x4"] == pytest.approx(c["step_s"] / first["step_s"], rel=1e-12)
+        assert list(c["collective_bytes"]) == list(KINDS)
+        assert min(c["collective_bytes"].values()) >= 0
+        assert c["collective_total"] == sum(c["collective_bytes"].values())
+    # the printed table carries the same numbers
+    table = _table(capsys.readouterr().out.splitlines(), "case")
+    for name, c in cases.items():
+        assert table[name] == [f"{c['step_s']:.3f}", f"{c['vs_ddp+alltoall 2x4']:.2f}",
+                               f"{c['collective_total'] / 1e6:.2f}"] + [
+                               f"{c['collective_bytes'][k] / 1e6:.2f}" for k in KINDS]
+
+    cfg = load_config(config)
+    m, moe = cfg.model, cfg.moe
+    ddp, fsdp = first["collective_bytes"], cases["fsdp+alltoall 2x4"]["collective_bytes"]
+    # alltoall's token exchange: per MoE layer an [E, C, D] f32 buffer out and back,
+    # and the same two in the backward pass; C from each device's 256 / 8 tokens
+    C = capacity(cfg.train.batch_size * cfg.train.seq_len // 8, moe.top_k, moe.num_experts,
+                 moe.capacity_factor)
+    exchange = cfg.num_moe_layers * 4 * moe.num_experts * C * m.d_model * 4
+    assert ddp["all-to-all"] == exchange
+    assert fsdp["all-to-all"] >= exchange
+    # ddp replicates the dense weights: every gradient of this device's weights (dense
+    # ones and its E / 4 experts) is summed over the replicas
+    shapes = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
+    local = sum(x.size // (4 if "['experts']" in jax.tree_util.keystr(p) else 1)
+                for p, x in jax.tree.leaves_with_path(shapes))
+    assert ddp["all-reduce"] + ddp["reduce-scatter"] >= 4 * local
+    # fsdp gathers its sharded weights again for every step; ddp does not
+    assert fsdp["all-gather"] > ddp["all-gather"]
+    assert cases["fsdp+alltoall 2x4"]["collective_total"] > first["collective_total"]
+
+
+@pytest.mark.slow
+def test_pipeline_reports_ratios_and_the_bubble_formula(tmp_path, capsys):
+    config = tmp_path / "toy.yaml"
+    config.write_text(TOY)
+    M = 4  # the fewest micro-batches circular allows at 4 stages
+    # two pipelined layouts beside S=1 (each is a compile of its own)
+    result = _run(tmp_path, ["pipeline", *ONCE, "--config", str(config), "--microbatches", str(M),
+                             "--layouts", "S=4", "S=2 V=2"])
+    assert result["microbatches"] == M
+    cases = result["cases"]
+    # (S - 1) / (V M + S - 1), by hand; one stage has no bubble
+    bubbles = {"S=1": 0.0, "S=4": 3 / 7, "S=2 V=2": 1 / 9}
+    assert list(cases) == list(bubbles)
+    for name, c in cases.items():
+        assert c["bubble_predicted"] == pytest.approx(bubbles[name], rel=1e-12)
+        assert c["step_s"] > 0
+        assert c["vs_S1"] == pytest.approx(c["step_s"] / cases["S=1"]["step_s"], rel=1e-12)
+    table = _table(capsys.readouterr().out.splitlines(), "stages")
+    for name, c in cases.items():
+        assert table[name] == [f"{c['step_s']:.3f}", f"{c['vs_S1']:.2f}",
+                               f"{c['bubble_predicted']:.3f}"]

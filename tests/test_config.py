@@ -101,3 +101,63 @@ def test_trillion_config_parameter_counts():
     assert (cfg.mesh.data, cfg.mesh.expert, cfg.mesh.stage) == (8, 8, 8)
     assert cfg.moe.expert_precision == "mxfp8" and cfg.train.remat == "full"
     assert cfg.num_moe_layers == 62 and cfg.moe_layer_slots == 64  # 2 pass-through slots
+
+
+def _matmul_params_per_token(cfg):
+    """Weights one token multiplies through, from the real model's shapes: every
+    parameter but the embedding table (a lookup) and the norm scales (elementwise),
+    with the routed experts counted at top_k of num_experts."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    total = 0.0
+    for path, x in jax.tree.leaves_with_path(nnx.state(model, nnx.Param)):
+        name = jax.tree_util.keystr(path)
+        if name.startswith("['embed']") or "norm" in name:
+            continue
+        total += x.size * (cfg.moe.top_k / cfg.moe.num_experts if "['experts']" in name else 1)
+    return total
+
+
+FLOP_CONFIGS = [  # routed experts only; and dense layers plus a shared expert
+    {"model": {"d_model": 64, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2},
+     "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32}, "train": {"seq_len": 128}},
+    {"model": {"d_model": 64, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2, "head_dim": 16,
+               "num_dense_layers": 2, "mlp_hidden": 96},
+     "moe": {"num_experts": 6, "top_k": 3, "expert_hidden": 48, "shared_expert_hidden": 40},
+     "train": {"seq_len": 64}},
+]
+
+
+@pytest.mark.parametrize("raw", FLOP_CONFIGS, ids=["routed", "dense_and_shared"])
+def test_flops_per_token_counts_the_model_it_describes(raw):
+    """6 x active matmul parameters + PaLM's attention term: QK^T and AV are 2
+    multiply-adds per (query, key, head, head-dim) each, 4 * L * H * hd forward per
+    token, times 3 with the backward."""
+    from jaxmoe.config import flops_per_token
+    cfg = config_from_dict(raw)
+    m = cfg.model
+    attention = 12 * m.num_layers * m.num_heads * m.head_size * cfg.train.seq_len
+    assert flops_per_token(cfg) == pytest.approx(
+        6 * _matmul_params_per_token(cfg) + attention, rel=1e-12)
+
+
+@pytest.mark.parametrize("raw", FLOP_CONFIGS, ids=["routed", "dense_and_shared"])
+def test_flops_per_token_moves_with_top_k_seq_len_and_shared_expert(raw):
+    """Each knob changes the count by exactly the weights or scores it adds."""
+    from jaxmoe.config import flops_per_token, override_config
+    cfg = config_from_dict(raw)
+    m, moe = cfg.model, cfg.moe
+    base = flops_per_token(cfg)
+    # one more expert per token: its three D x F matrices in every MoE layer
+    more_k = override_config(cfg, [f"moe.top_k={moe.top_k + 1}"])
+    expert = 3 * m.d_model * moe.expert_hidden
+    assert flops_per_token(more_k) - base == 6 * cfg.num_moe_layers * expert
+    # experts a token does not visit cost nothing (only the router's new column)
+    more_e = override_config(cfg, [f"moe.num_experts={moe.num_experts + 2}"])
+    assert flops_per_token(more_e) - base == 6 * cfg.num_moe_layers * m.d_model * 2
+    # attention grows with the context, the weights do not
+    longer = override_config(cfg, [f"train.seq_len={2 * cfg.train.seq_len}"])
+    assert (flops_per_token(longer) - base
+            == 12 * m.num_layers * m.num_heads * m.head_size * cfg.train.seq_len)
+    # a shared expert of width S: three D x S matrices per MoE layer
+    wider = override_config(cfg, [f"moe.shared_expert_hidden={moe.shared_expert_hidden + 8}"])
+    assert flops_per_token(wider) - base == 6 * cfg.num_moe_layers * 3 * m.d_model * 8

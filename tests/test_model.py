@@ -1,4 +1,5 @@
-"""The model: MoE dispatch paths agree, drops are counted, attention is causal."""
+"""The model: MoE dispatch paths agree, drops are counted, attention is causal,
+router jitter is the configured noise and only in training."""
 
 
 import jax
@@ -185,3 +186,85 @@ def test_chunked_loss_equals_whole_in_less_memory():
     temp = {c: value_grad.lower(params, c).compile().memory_analysis().temp_size_in_bytes
             for c in (0, 8)}
     assert temp[8] * 2 < temp[0], temp  # [2, 64, 4096] logits (and their gradient) never whole
+
+
+# --- router jitter: multiplicative uniform noise on the router's input, training only
+
+JITTER = 0.1
+
+
+def _identity_router(jitter):
+    """A router whose weight is the identity, so its logits are its (jittered) input."""
+    from jaxmoe.model.router import Router
+    cfg = MoEConfig(num_experts=E, top_k=K, router_jitter=jitter)
+    router = Router(E, cfg, 0.02, nnx.Rngs(0))
+    router.w[...] = jnp.eye(E)
+    return router
+
+
+def test_router_jitter_is_uniform_in_the_configured_band():
+    """jitter eps multiplies each input element by its own U[1 - eps, 1 + eps]."""
+    x_TxD = jax.random.normal(jax.random.key(5), (512, E)) + 3.0  # away from 0: a clean ratio
+    router = _identity_router(JITTER)
+    clean = router(x_TxD).logits_TxE
+    np.testing.assert_array_equal(clean, x_TxD)  # the identity weight: logits are the input
+    ratio = np.asarray(router(x_TxD, jax.random.key(6)).logits_TxE / x_TxD)
+    # f32 division of a product of f32s: a few ulps of 1 either side
+    tol = 4 * np.finfo(np.float32).eps
+    assert ratio.min() >= 1 - JITTER - tol and ratio.max() <= 1 + JITTER + tol
+    # 4096 draws fill the band: P(no draw in an edge strip of width eps/50) = 0.99**4096 ~ 1e-18
+    assert ratio.min() < 1 - JITTER * 0.98 and ratio.max() > 1 + JITTER * 0.98
+    # uniform, not two-valued or clustered: each quarter of the band holds ~1/4 of the draws
+    quarters = np.histogram(ratio, bins=4, range=(1 - JITTER - tol, 1 + JITTER + tol))[0]
+    np.testing.assert_allclose(quarters / ratio.size, 0.25, atol=0.04)  # 6 sigma at n = 4096
+    # one factor per element, not one per token
+    assert np.all(ratio.std(axis=1) > 0)
+
+
+def test_router_jitter_only_with_a_key_and_a_positive_setting():
+    x_TxD = jax.random.normal(jax.random.key(7), (T, E))
+    key = jax.random.key(8)
+    jittered, off = _identity_router(JITTER), _identity_router(0.0)
+    clean = off(x_TxD)
+    # no key (evaluation), or jitter 0 with a key: routing identical, bit for bit
+    for routing in (jittered(x_TxD), off(x_TxD, key)):
+        jax.tree.map(np.testing.assert_array_equal, routing, clean)
+    # with a key: the same key gives the same noise, another key another
+    a, b = jittered(x_TxD, key), jittered(x_TxD, key)
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    other = jittered(x_TxD, jax.random.key(9))
+    assert not np.array_equal(a.logits_TxE, other.logits_TxE)
+    assert not np.array_equal(a.logits_TxE, clean.logits_TxE)
+
+
+def _first_step_losses(jitter):
+    """Loss of one train step from the same state at steps 0, 0 and 1, and eval's ce."""
+    from jaxmoe.sharding import make_mesh
+    from jaxmoe.step import build_steps
+    cfg = config_from_dict({
+        "model": {"d_model": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
+        "moe": {"num_experts": 4, "top_k": 1, "expert_hidden": 16, "dispatcher": "dense",
+                "router_jitter": jitter},
+        "train": {"steps": 4, "batch_size": 8, "seq_len": 16},
+        "optimizer": {"warmup_steps": 1}})
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    state = steps.init(jax.random.PRNGKey(0))
+    batch = jax.device_put(jax.random.randint(jax.random.key(1), (8, 17), 0, 256),
+                           steps.batch_sharding)
+    # the step donates its state: each call gets a fresh copy
+    at = lambda s: jax.tree.map(jnp.copy, state)._replace(step=jnp.int32(s))  # noqa: E731
+    losses = [float(steps.train_step(at(s), batch)[1]["ce"]) for s in (0, 0, 1)]
+    return losses, float(steps.eval_step(state, batch)["ce"])
+
+
+@pytest.mark.slow  # two train steps to compile
+def test_train_step_jitter_is_keyed_by_the_step():
+    """The train step's jitter key is fold_in(key, step): deterministic per step, new
+    noise each step; without jitter the step number does not touch the loss."""
+    (a, again, next_step), eval_jittered = _first_step_losses(0.5)
+    assert a == again and a != next_step
+    (a0, again0, next0), eval_plain = _first_step_losses(0.0)
+    assert a0 == again0 == next0
+    assert a != a0  # the jitter did reach the loss
+    # evaluation never jitters: same parameters (jitter does not touch init), same ce
+    assert eval_jittered == pytest.approx(eval_plain, rel=1e-6)

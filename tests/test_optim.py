@@ -1,4 +1,5 @@
-"""The fused AdamW: same numbers as optax's chained AdamW, a real skip, half the traffic."""
+"""The fused AdamW: same numbers as optax's chained AdamW, a real skip, half the
+traffic; the learning-rate schedules by their formulas."""
 
 import functools
 
@@ -130,3 +131,51 @@ def test_fused_update_moves_less_memory_than_the_chained_one():
     # parameter, gradient and both moments read, three written, the clip norm: ~11
     # tensor passes against ~19-21 for the chained form
     assert ratio < 0.7, ratio
+
+
+# --- schedules: warmup 0 -> peak over warmup_steps, then cosine, wsd or constant
+
+PEAK, FLOOR_RATIO, TOTAL, WARM = 0.8, 0.25, 100, 10
+FLOOR = PEAK * FLOOR_RATIO
+
+
+def _schedule(kind, warmup=WARM, **kw):
+    cfg = OptimizerConfig(learning_rate=PEAK, min_lr_ratio=FLOOR_RATIO, warmup_steps=warmup,
+                          schedule=kind, **kw)
+    fn = learning_rate_schedule(cfg, TOTAL)
+    return lambda s: float(fn(jnp.int32(s)))
+
+
+def test_wsd_warms_up_holds_then_decays_linearly_to_the_floor():
+    lr = _schedule("wsd", decay_fraction=0.2)
+    D = round(TOTAL * 0.2)  # decay steps at the end: 80 .. 100
+    for s in (0, 1, 5, 9):  # linear warmup from 0
+        assert lr(s) == pytest.approx(PEAK * s / WARM, rel=1e-6)
+    for s in (WARM, 11, 50, TOTAL - D):  # warmup ends exactly at WARM; flat until the decay
+        assert lr(s) == pytest.approx(PEAK, rel=1e-6)
+    for s in (TOTAL - D + 1, 90, TOTAL - 1, TOTAL):  # linear to the floor, reached at TOTAL
+        assert lr(s) == pytest.approx(PEAK - (PEAK - FLOOR) * (s - (TOTAL - D)) / D, rel=1e-6)
+    assert lr(TOTAL) == pytest.approx(FLOOR, rel=1e-6) and lr(TOTAL + 50) == pytest.approx(FLOOR)
+
+
+def test_constant_is_peak_after_warmup_and_schedules_differ_where_they_should():
+    wsd, cos, const = _schedule("wsd"), _schedule("cosine"), _schedule("constant")
+    for s in (0, 3, 7):  # the same warmup for all
+        assert wsd(s) == cos(s) == const(s) == pytest.approx(PEAK * s / WARM, rel=1e-6)
+    for s in (WARM, 40, TOTAL - 1, TOTAL, 10 * TOTAL):
+        assert const(s) == pytest.approx(PEAK, rel=1e-6)
+    # mid-run, cosine has already fallen halfway where wsd is still flat:
+    # cosine(55) = FLOOR + (PEAK - FLOOR) * (1 + cos(pi * 45 / 90)) / 2
+    assert cos(55) == pytest.approx((PEAK + FLOOR) / 2, rel=1e-6)
+    assert wsd(55) == pytest.approx(PEAK, rel=1e-6)
+    # at the end both reach the floor; constant does not
+    assert cos(TOTAL) == pytest.approx(FLOOR, rel=1e-6) == wsd(TOTAL)
+    # no warmup: the peak from the first step
+    assert _schedule("constant", warmup=0)(0) == pytest.approx(PEAK, rel=1e-6)
+
+
+def test_wsd_whole_run_decay_still_reaches_the_floor():
+    """decay_fraction 1 (allowed: (0, 1]) decays over every step after warmup."""
+    lr = _schedule("wsd", decay_fraction=1.0)
+    assert lr(WARM) == pytest.approx(PEAK, rel=1e-6)
+    assert lr(TOTAL) == pytest.approx(FLOOR, rel=1e-6)

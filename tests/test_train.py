@@ -1,12 +1,17 @@
-"""End-to-end: the CLI trains on the default corpus; bad input fails cleanly."""
+"""End-to-end: the CLI trains on the default corpus; bad input fails cleanly;
+Ctrl-C stops with a checkpoint that resumes."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from jaxmoe import checkpoint
 from jaxmoe.config import config_from_dict
 from jaxmoe.data import load_corpus
 from jaxmoe.train import main, train
@@ -76,7 +81,6 @@ def test_main_rejects_bad_override(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "cpu8_ep", "cpu8_pipeline"])
 def test_shipped_config_trains(tmp_path, name):
-    from pathlib import Path
     from jaxmoe.config import load_config
     path = Path(__file__).parent.parent / "configs" / f"{name}.yaml"
     cfg = load_config(path, ["train.steps=3", "optimizer.warmup_steps=1", "train.eval_batches=1",
@@ -84,3 +88,48 @@ def test_shipped_config_trains(tmp_path, name):
                              "logging.log_every=1"])
     summary = train(cfg, load_corpus("stdlib", None, 256, cfg.train.seq_len))
     assert np.isfinite(summary["heldout_loss"])
+
+
+def _logged_steps(run_dir):
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")[:-1]  # a line being written has no newline yet
+    return [r["step"] for r in map(json.loads, lines) if "loss" in r]
+
+
+@pytest.mark.slow
+def test_sigint_stops_with_a_checkpoint_that_resumes(tmp_path):
+    """Ctrl-C ends the run after the step in flight, saves that step and exits 0;
+    the same command then picks up from it."""
+    tiny = {"model.d_model": 32, "model.num_layers": 2, "model.num_heads": 2,
+            "model.num_kv_heads": 1, "model.mlp_hidden": 64, "moe.num_experts": 4,
+            "moe.expert_hidden": 16, "moe.dispatcher": "dense", "train.batch_size": 8,
+            "train.seq_len": 16, "train.eval_batches": 1, "train.eval_every": 0,
+            "train.steps": 100_000,  # still running when the signal comes
+            "optimizer.warmup_steps": 1, "checkpoint.every": 0, "logging.log_every": 1,
+            "logging.progress": False, "train.run_dir": str(tmp_path)}
+    cmd = [sys.executable, "-m", "jaxmoe.train", "--config",
+           str(Path(__file__).parent.parent / "configs" / "tiny.yaml")]
+    cmd += [a for k, v in tiny.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while len(_logged_steps(tmp_path)) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1]  # signalled mid-run, not after a crash
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "KeyboardInterrupt" not in err, err
+    ckpts = checkpoint.checkpoint_dir(tmp_path)
+    saved = checkpoint.complete_steps(ckpts)
+    logged = _logged_steps(tmp_path)
+    # one checkpoint, at the last step taken (every step is logged), short of the end
+    assert len(saved) == 1 and saved[0] == logged[-1] and 3 <= saved[0] < tiny["train.steps"]
+    stop = saved[0]
+    assert f"stopped on SIGINT at step {stop}" in out
+    again = subprocess.run(cmd + ["--resume", "--stop-after", "2"], capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from step {stop}" in again.stdout
+    assert _logged_steps(tmp_path) == logged + [stop + 1, stop + 2]
+    assert checkpoint.complete_steps(ckpts) == [stop, stop + 2]
