@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# GPU checks, for a machine with JAX (CUDA) installed and nothing else fetched.
+# GPU checks with pass/fail tolerances, then timed benchmarks, for a machine with
+# JAX (CUDA) installed and nothing else fetched.
 # Run from the repository root: bash benchmarks/gpu.sh [OUT_DIR]
-# Writes OUT_DIR/gpu_results.txt and one JSON per benchmark (default: ./gpu_out).
+# Writes OUT_DIR/gpu_results.txt (the log), OUT_DIR/table.txt (one line per check and
+# benchmark: `name: figure (tolerance) PASS|FAIL|SKIPPED: reason`) and one JSON per
+# benchmark (default OUT_DIR: ./gpu_out). Exits non-zero if any line says FAIL.
 #
-# Each check runs on its own under a time limit (8 minutes in all; 10 with 8+ GPUs),
-# so one that fails or hangs costs only its own slot; the last line counts the
-# failures. JAXMOE_GPU_SMOKE=1 runs every check at toy shapes: a check of this
-# script itself, on CPU, before a GPU is spent on it.
+# The checks (benchmarks/gpu_checks.py, tolerances derived there) come first, each
+# in its own process under its own time limit, so one that fails or hangs costs only
+# its own slot. The benchmarks report figures and fail only if they crash. The whole
+# script keeps to JAXMOE_GPU_BUDGET_S seconds (420; 540 with 8+ GPUs): a limit is cut
+# to what is left, and what finds no time left is a FAIL (check) or SKIPPED (benchmark).
+#
+# JAXMOE_GPU_SMOKE=1: every check and benchmark at toy shapes on CPU (8 fake devices
+# for the checks), a check of this script before a GPU is spent on it.
+# JAXMOE_GPU_ONLY="name ...": run only these checks / benchmarks (e.g. to rerun one).
+# JAXMOE_GPU_FAIL=name: spoil that check's computed answer, so that it must fail.
 set -uo pipefail
 out="${1:-gpu_out}"
 mkdir -p "$out"
@@ -15,73 +24,77 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null \
 export PYTHONUNBUFFERED=1
 smoke="${JAXMOE_GPU_SMOKE:-0}"
 export JAXMOE_GPU_SMOKE="$smoke"
-failed=()
+only=" ${JAXMOE_GPU_ONLY:-} "
+table="$out/table.txt"
+: > "$table"
+scale=1
+[ "$smoke" = 1 ] && scale=3  # a shared 2-core CPU compiles slower than a GPU host
 
-check() {  # check NAME SECONDS COMMAND...: one check; a failure is recorded, not fatal
-  local name=$1 limit=$2 rc
-  shift 2
-  echo "== $name (limit ${limit}s)"
+wanted() { [ -z "${only// /}" ] || [[ "$only" == *" $1 "* ]]; }
+why() { echo "exit $rc$([ "$rc" = 124 ] && echo ', time limit')"; }
+
+limited() {  # limited SECONDS COMMAND...: under min(SECONDS x scale, budget left); sets rc, limit
+  limit=$(( $1 * scale ))
+  shift
+  local left=$(( budget - SECONDS ))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 10 ]; then rc=none; return; fi
   timeout -k 10 "$limit" "$@"
   rc=$?
-  if [ "$rc" -ne 0 ]; then
-    echo "!! $name failed (exit $rc$([ "$rc" -eq 124 ] && echo ', time limit'))"
-    failed+=("$name")
+}
+
+check() {  # check NAME SECONDS: one check of gpu_checks.py, in its own process
+  local name=$1
+  wanted "$name" || return 0
+  echo "== check $name"
+  limited "$2" python3 benchmarks/gpu_checks.py "$name" --table "$table"
+  if [ "$rc" = none ]; then
+    echo "$name: - (-) FAIL: no time left of the ${budget} s budget" >> "$table"
+  elif ! grep -q "^$name: " "$table"; then  # killed, or crashed before reporting
+    echo "$name: - (limit ${limit} s) FAIL: $(why)" >> "$table"
+  fi
+}
+
+bench() {  # bench NAME SECONDS COMMAND...: a timed benchmark, a FAIL only if it crashes
+  local name=$1 t0=$SECONDS
+  wanted "$name" || return 0
+  shift
+  echo "== bench $name"
+  limited "$@"
+  local line="$name: $(( SECONDS - t0 )) s (runs to the end)"
+  if [ "$rc" = none ]; then
+    echo "$name: - (-) SKIPPED: no time left of the ${budget} s budget" >> "$table"
+  elif [ "$rc" = 0 ]; then
+    echo "$line PASS" >> "$table"
+  else
+    echo "$line FAIL: $(why)" >> "$table"
   fi
 }
 
 main() {
 echo "== $(date -u) $(python3 -c 'import jax; print(jax.__version__, jax.devices())')"
+# backend, devices, overlap_on, overlap_off (the GPU scheduler flags; empty on CPU)
+eval "$(python3 benchmarks/gpu_checks.py env)" || { echo "!! gpu_checks.py env failed"; return 1; }
+budget="${JAXMOE_GPU_BUDGET_S:-$([ "$devices" -ge 8 ] && echo 540 || echo 420)}"
+[ "$smoke" = 1 ] && budget="${JAXMOE_GPU_BUDGET_S:-1200}"
+echo "== $backend, $devices device(s), budget ${budget} s"
 
-# 1. the expert-parallel dispatchers (ragged_all_to_all + ragged_dot for `ragged`)
-#    against the dense reference, values and gradients
-check "dispatchers vs dense" 60 python3 - <<'PY'
-import os, jax, jax.numpy as jnp
-from jaxmoe.config import MeshConfig, MoEConfig
-from jaxmoe.model.dispatch import dense_dispatch, get_dispatcher
-from jaxmoe.model.router import route
-from jaxmoe.model.experts import ExpertWeights
-from jaxmoe.sharding import make_mesh
-
-n = jax.device_count()
-mesh = make_mesh(MeshConfig(data=1, expert=n))
-T, D, F, E, K = 512 * n, 64, 128, 8 * n, 2
-ks = jax.random.split(jax.random.key(0), 4)
-x = jax.random.normal(ks[0], (T, D)); logits = jax.random.normal(ks[1], (T, E))
-w = ExpertWeights(0.2 * jax.random.normal(ks[2], (E, D, 2 * F)), 0.2 * jax.random.normal(ks[3], (E, F, D)))
-# XLA:CPU cannot compile ragged_all_to_all: the CPU smoke run leaves `ragged` out.
-names = ("alltoall", "allgather") if jax.default_backend() == "cpu" else ("ragged", "alltoall", "allgather")
-for name in names:
-    cfg = MoEConfig(num_experts=E, top_k=K, capacity_factor=float(E), dispatcher=name)
-    f = lambda x, w, d: jnp.sum(jnp.sin(d(x, route(logits, cfg), w, cfg, mesh).y_TxD))
-    got = jax.jit(jax.value_and_grad(lambda x, w: f(x, w, get_dispatcher(name)), (0, 1)))(x, w)
-    ref = jax.jit(jax.value_and_grad(lambda x, w: f(x, w, lambda *a: dense_dispatch(*a[:4])), (0, 1)))(x, w)
-    err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
-    print(f"{name:9s} vs dense on {n} device(s): max abs diff {err:.2e}")
-PY
-
-# 2. the expert GEMMs in MXFP8 against bf16 (forward + backward), native where supported
-check "mxfp8 vs bf16 expert GEMMs" 45 python3 - <<'PY'
-import dataclasses, os, time, jax, jax.numpy as jnp
-from jaxmoe.config import MoEConfig
-from jaxmoe.model.experts import ExpertWeights, expert_ffn
-from jaxmoe.ops.mx import _native
-E, C, D, F = (2, 64, 64, 64) if os.environ["JAXMOE_GPU_SMOKE"] == "1" else (8, 2048, 512, 1024)
-ks = jax.random.split(jax.random.key(0), 3)
-x = jax.random.normal(ks[0], (E, C, D), jnp.bfloat16)
-w = ExpertWeights(jax.random.normal(ks[1], (E, D, 2 * F)) / 23, jax.random.normal(ks[2], (E, F, D)) / 32)
-base = MoEConfig(num_experts=E, expert_hidden=F)
-times = {}
-for name, cfg in [("bf16", base), ("mxfp8", dataclasses.replace(base, expert_precision="mxfp8"))]:
-    step = jax.jit(jax.grad(lambda x, w: jnp.sum(expert_ffn(w, x, cfg).astype(jnp.float32)), (0, 1)))
-    jax.block_until_ready(step(x, w))
-    t0 = time.perf_counter()
-    for _ in range(20):
-        out = step(x, w)
-    jax.block_until_ready(out)
-    times[name] = (time.perf_counter() - t0) / 20
-    print(f"expert GEMM fwd+bwd {name:6s} {times[name] * 1e3:.2f} ms")
-print(f"mxfp8/bf16 time ratio {times['mxfp8'] / times['bf16']:.2f} (native block-scaled GEMM: {_native()})")
-PY
+# 1. the offsets plan of `ragged` at 8+ ranks with skewed counts (exact)
+check ragged_plan 30
+# 2. each expert-parallel dispatcher, EP over every device, against `dense` on one:
+#    outputs and gradients, uniform and skewed routing, fp32 and bf16
+for d in ragged alltoall allgather; do
+  check "${d}_fp32" 45
+  check "${d}_bf16" 45
+done
+# 3. MXFP8 expert GEMMs against bf16 (forward and backward), with their time ratio
+check mxfp8 45
+# 4. the native block-scaled GEMM against the emulation, bit for bit (Blackwell+)
+check mxfp8_native 30
+# 5. a short bf16 run with `ragged` dispatch: the loss must fall
+check train 120
+# 6. the same steps with XLA's collective/compute overlap on and off: same losses
+check overlap 150
 
 if [ "$smoke" = 1 ]; then
   moe_shape=(--tokens 256 --d-model 64 --expert-hidden 64 --repeats 1)
@@ -96,34 +109,37 @@ else
              --set train.batch_size=16 --set train.seq_len=2048)
   matmul=(--matmul-size 8192)
 fi
-overlap_on="--xla_gpu_enable_latency_hiding_scheduler=true"
-overlap_off="--xla_gpu_enable_latency_hiding_scheduler=false --xla_gpu_disable_async_collectives=allreduce,allgather,reducescatter,collectivebroadcast,alltoall,collectivepermute"
-if [ "$(python3 -c 'import jax; print(jax.default_backend())')" = cpu ]; then
-  overlap_on="" overlap_off=""  # XLA:CPU rejects the GPU flags; the smoke run only checks the calls
-fi
-
-# 3. the MoE block vs a dense MLP of the same active FLOPs, E = 8, 32, 128
-check "bench moe" 75 python3 -m jaxmoe.bench moe "${moe_shape[@]}" --json "$out/bench_moe.json"
-# 4. a bf16 train step at GPU shapes: MFU against the measured bf16 matmul rate,
-#    with XLA's collective/compute overlap on and off (it is not always a win)
-check "bench step, overlap on" 75 env XLA_FLAGS="$overlap_on" \
-  python3 -m jaxmoe.bench step "${gpu_model[@]}" "${matmul[@]}" --json "$out/bench_step_overlap.json"
-check "bench step, overlap off" 75 env XLA_FLAGS="$overlap_off" \
-  python3 -m jaxmoe.bench step "${gpu_model[@]}" "${matmul[@]}" --json "$out/bench_step_no_overlap.json"
-# 5. 8 vs 128 experts of the same size in that bf16 model, with the update alone
-check "bench experts" 150 python3 -m jaxmoe.bench experts "${gpu_model[@]}" \
+# Benchmarks (one device each unless stated): figures, not checks.
+# the MoE block vs a dense MLP of the same active FLOPs, E = 8, 32, 128
+bench bench_moe 75 python3 -m jaxmoe.bench moe "${moe_shape[@]}" --json "$out/bench_moe.json"
+# a bf16 train step at GPU shapes: MFU against the measured bf16 matmul rate, with
+# XLA's collective/compute overlap on and off (it is not always a win)
+bench bench_step_overlap 75 env XLA_FLAGS="$overlap_on" python3 -m jaxmoe.bench step \
+  "${gpu_model[@]}" "${matmul[@]}" --json "$out/bench_step_overlap.json"
+bench bench_step_no_overlap 75 env XLA_FLAGS="$overlap_off" python3 -m jaxmoe.bench step \
+  "${gpu_model[@]}" "${matmul[@]}" --json "$out/bench_step_no_overlap.json"
+# 8 vs 128 experts of the same size in that bf16 model, with the update alone
+bench bench_experts 150 python3 -m jaxmoe.bench experts "${gpu_model[@]}" \
   --json "$out/bench_experts.json"
-# 6. with 8+ GPUs: ddp+EP vs fsdp, overlap on and off
-if [ "$(python3 -c 'import jax; print(jax.device_count())')" -ge 8 ] && [ "$smoke" != 1 ]; then
-  check "bench parallel, overlap on" 60 env XLA_FLAGS="$overlap_on" \
+# with 8+ GPUs: ddp+EP vs fsdp, overlap on and off
+if [ "$devices" -ge 8 ] && [ "$smoke" != 1 ]; then
+  bench bench_parallel_overlap 60 env XLA_FLAGS="$overlap_on" \
     python3 -m jaxmoe.bench parallel --json "$out/bench_parallel_overlap.json"
-  check "bench parallel, overlap off" 60 env XLA_FLAGS="$overlap_off" \
+  bench bench_parallel_no_overlap 60 env XLA_FLAGS="$overlap_off" \
     python3 -m jaxmoe.bench parallel --json "$out/bench_parallel_no_overlap.json"
 fi
 
-names=$(printf '%s; ' "${failed[@]}")
-echo "== done $(date -u): ${#failed[@]} failed${failed:+: ${names%; }}"
-[ "${#failed[@]}" -eq 0 ]
+for name in $only; do  # a name that ran nothing must not pass quietly
+  grep -q "^$name: " "$table" || echo "$name: - (-) FAIL: JAXMOE_GPU_ONLY, nothing ran" >> "$table"
+done
+echo "== table"
+cat "$table"
+local failed skipped
+failed=$(grep -cE '\) FAIL(:|$)' "$table")
+skipped=$(grep -cE '\) SKIPPED(:|$)' "$table")
+echo "== done $(date -u) in ${SECONDS} s: $(wc -l < "$table") lines," \
+  "$failed failed, $skipped skipped"
+[ "$failed" -eq 0 ]
 }
 
 main 2>&1 | tee "$out/gpu_results.txt"

@@ -1,0 +1,94 @@
+"""benchmarks/gpu_checks.py at toy shapes on the 8 fake CPU devices: every check that
+can run on CPU passes, the failure hook (JAXMOE_GPU_FAIL) makes the perturbed check
+fail, and the checks XLA:CPU cannot run say why they skipped."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("gpu_checks", ROOT / "benchmarks" / "gpu_checks.py")
+gc = sys.modules["gpu_checks"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gc)
+
+
+def _run(name, monkeypatch, fail=False):
+    if fail:
+        monkeypatch.setenv(gc.FAIL_ENV, name)
+    else:
+        monkeypatch.delenv(gc.FAIL_ENV, raising=False)
+    result = gc.run_check(name, toy=True)
+    assert result.line().startswith(f"{name}: ")
+    return result
+
+
+@pytest.mark.parametrize("name", ["ragged_plan", "alltoall_bf16", "ragged_fp32", "mxfp8", "train"])
+def test_check_passes_and_its_hook_fails_it(name, monkeypatch):
+    result = _run(name, monkeypatch)
+    assert result.status == "PASS", result.line()  # ragged too, through its CPU lowering
+    # the perturbation is applied to the computed answer (compiled programs are cached)
+    spoiled = _run(name, monkeypatch, fail=True)
+    assert spoiled.status == "FAIL", spoiled.line()
+
+
+def test_checks_that_need_a_gpu_say_why_they_skip(monkeypatch):
+    native = _run("mxfp8_native", monkeypatch)
+    assert native.status == "SKIPPED"
+    assert native.note.startswith("no native block-scaled GEMM on this device")
+    overlap = _run("overlap", monkeypatch)
+    assert overlap.status == "SKIPPED" and "XLA:CPU rejects" in overlap.note
+    # `ragged` skips only for XLA:CPU's missing collective, never for another error
+    missing = RuntimeError("UNIMPLEMENTED: HLO opcode ragged-all-to-all is not supported by XLA:CPU")
+    assert gc.cpu_cannot_run_ragged(missing).startswith("XLA:CPU cannot run ragged_all_to_all")
+    assert gc.cpu_cannot_run_ragged(ValueError("shapes do not match")) is None
+
+
+def test_bit_for_bit_operands_are_exact_in_the_emulation():
+    """The native check's premise: on its operands the emulated GEMM is exact, so any
+    correct block-scaled GEMM must match it bit for bit."""
+    a, b, exact = gc.exact_operands()
+    emulated = np.asarray(jax.jit(gc.emulated_bmm)(a, b))
+    np.testing.assert_array_equal(emulated, exact)
+    # and the data is not trivially exact: a value off the e4m3 grid is not
+    a[0, 0, 2] = 3.3
+    assert not np.array_equal(np.asarray(jax.jit(gc.emulated_bmm)(a, b)), exact)
+
+
+def test_main_reports_a_line_and_exits_on_failure(tmp_path, monkeypatch, capsys):
+    table = tmp_path / "table.txt"
+    monkeypatch.delenv(gc.FAIL_ENV, raising=False)
+    assert gc.main(["ragged_plan", "--table", str(table)]) == 0
+    monkeypatch.setenv(gc.FAIL_ENV, "ragged_plan")
+    assert gc.main(["ragged_plan", "--table", str(table)]) == 1
+    lines = table.read_text().splitlines()
+    assert lines[0].endswith("PASS: R=8, rank 0 receives 0.75 of rows")
+    assert lines[1].startswith("ragged_plan: 1 (<= 0) FAIL")
+    monkeypatch.setenv(gc.FAIL_ENV, "no_such_check")  # a typo must not pass quietly
+    assert gc.main(["ragged_plan"]) == 2
+
+
+@pytest.mark.slow
+def test_gpu_sh_smoke_fails_when_a_check_is_made_to_fail(tmp_path):
+    """The script end to end on a few quick checks and one benchmark (the whole smoke
+    run takes minutes): one spoiled check makes it exit non-zero, the rest still run."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env |= {"JAXMOE_GPU_SMOKE": "1", "JAXMOE_GPU_FAIL": "ragged_plan",
+            "JAXMOE_GPU_ONLY": "ragged_plan mxfp8_native overlap bench_moe"}
+    proc = subprocess.run(["bash", "benchmarks/gpu.sh", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    table = (tmp_path / "table.txt").read_text().splitlines()
+    status = {line.split(":")[0]: line for line in table}
+    assert list(status) == ["ragged_plan", "mxfp8_native", "overlap", "bench_moe"]
+    assert ") FAIL" in status["ragged_plan"]
+    assert ") SKIPPED: no native block-scaled GEMM" in status["mxfp8_native"]
+    assert ") SKIPPED: XLA:CPU rejects" in status["overlap"]
+    assert status["bench_moe"].endswith("PASS")
+    assert proc.stdout.rstrip().splitlines()[-1].endswith("1 failed, 2 skipped")
+    assert (tmp_path / "bench_moe.json").exists()
