@@ -104,10 +104,6 @@ def check_divisibility(cfg: Config, mesh: Mesh) -> None:
     if cfg.mesh.parallelism == "fsdp" and cfg.model.d_model % mesh.shape["data"]:
         raise ConfigError(f"model.d_model: {cfg.model.d_model} cannot be split over "
                           f"mesh.data={mesh.shape['data']} for fsdp")
-    if cfg.moe.dispatcher == "ragged" and mesh.devices.flat[0].platform == "cpu":
-        # XLA:CPU has no ragged-all-to-all; a padded stand-in, for tests, takes its place.
-        from jaxmoe.parallel.ragged_cpu import install_cpu_lowering
-        install_cpu_lowering()
 
 
 def logical_spec(names: tuple[str | None, ...], rules: dict[str, str]) -> P:

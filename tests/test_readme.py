@@ -73,9 +73,11 @@ def test_readme_commands_run_as_written(tmp_path):
         if any(re.search(p, command) for p in NOT_RUN):
             continue
         words = shlex.split(command)
-        assignments = [w for w in words if re.match(r"^[A-Z_]+=", w) and words.index(w) == 0]
-        words = [sys.executable if w == "python" else w for w in words[len(assignments):]]
-        run_env = {**env, **dict(a.split("=", 1) for a in assignments)}
+        run_env = dict(env)
+        while re.match(r"^[A-Z_]+=", words[0]):  # leading VAR=value assignments
+            key, value = words.pop(0).split("=", 1)
+            run_env[key] = value
+        words = [sys.executable if w == "python" else w for w in words]
         result = subprocess.run(words + TOY_ARGS[_module(command)], cwd=tmp_path, env=run_env,
                                 capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
