@@ -1,13 +1,27 @@
-"""Eight fake CPU devices for every test, set before jax is imported; a shared tiny run."""
+"""Eight fake CPU devices for every test, set before jax is imported; one XLA
+compilation cache for the session; a shared tiny run."""
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 
 from jaxmoe.fake_devices import cpu_devices_env
 
 os.environ.update(cpu_devices_env(os.environ, 8, force_cpu=False))
+
+# Compiling dominates the suite's time, and many tests (and the training processes
+# they start, which inherit the environment) compile the same programs. A cache set
+# by the caller is kept; otherwise the session's own goes when it ends.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="jaxmoe-test-xla-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 @pytest.fixture(scope="session")
