@@ -17,6 +17,7 @@ NAME's computed answer so that it must fail (a test of the checks themselves).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -42,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jaxmoe.config import (MeshConfig, MoEConfig, config_from_dict, load_config,  # noqa: E402
                            override_config)
-from jaxmoe.model.dispatch import get_dispatcher  # noqa: E402
+from jaxmoe.parallel.layout import dispatch_on_mesh  # noqa: E402
 from jaxmoe.model.experts import ExpertWeights, expert_ffn  # noqa: E402
 from jaxmoe.model.router import Routing, route  # noqa: E402
 from jaxmoe.ops import mx  # noqa: E402
@@ -138,7 +139,8 @@ def dispatch_vjp(name: str, cfg: MoEConfig, mesh):
     """One program: (y, dropped, (dx, dgates, dw)) of <y, ct> through dispatcher `name`."""
     def run(x, expert_TxK, gate_TxK, w, ct):
         def f(x, g, w):
-            out = get_dispatcher(name)(x, Routing(expert_TxK, g, None, None, None), w, cfg, mesh)
+            out = dispatch_on_mesh(x, Routing(expert_TxK, g, None, None, None), w,
+                                   dataclasses.replace(cfg, dispatcher=name), mesh)
             return out.y_TxD, out.dropped
         y, pull, dropped = jax.vjp(f, x, gate_TxK, w, has_aux=True)
         return y, dropped, pull(ct)

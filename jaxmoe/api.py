@@ -26,9 +26,10 @@ from jax.sharding import Mesh
 
 from jaxmoe import checkpoint
 from jaxmoe.config import Config, config_from_dict
-from jaxmoe.model.moe import LOCAL_DISPATCHERS, MoE
-from jaxmoe.model.transformer import Transformer, init_stds
-from jaxmoe.parallel.pipeline import stored_layer_order
+from jaxmoe.model.dispatch import LOCAL_DISPATCHERS
+from jaxmoe.model.moe import MoE
+from jaxmoe.model.transformer import Transformer, init_stds, stored_layer_order
+from jaxmoe.parallel.layout import layout_for
 
 Params = dict[str, Any]
 
@@ -100,7 +101,8 @@ def to_module(params: Params, config: Config) -> Transformer:
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "remat"))
 def _apply(params, tokens_BxL, config, key, mesh, remat):
-    return to_module(params, config)(tokens_BxL, mesh=mesh, key=key, remat=remat)
+    return to_module(params, config)(tokens_BxL, layout=layout_for(config, mesh), key=key,
+                                     remat=remat)
 
 
 def apply(params: Params, tokens_BxL: jax.Array, config: Config, *, key: jax.Array | None = None,
@@ -141,7 +143,7 @@ def moe_layer(params: Params, x_BxLxD: jax.Array, config: Config, *, key: jax.Ar
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
 def _moe_layer(params, x_BxLxD, config, key, mesh):
-    return nnx.merge(_abstract(config, "moe")[0], params)(x_BxLxD, mesh, key)
+    return nnx.merge(_abstract(config, "moe")[0], params)(x_BxLxD, layout_for(config, mesh), key)
 
 
 def moe_layer_params(params: Params, config: Config, layer: int) -> Params:

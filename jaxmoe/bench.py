@@ -223,24 +223,32 @@ def _train_step_case(config: str, overrides: list[str], num_devices: int = 8) ->
 
 
 @subcommand("parallel", _parallel_args,
-            "ddp+EP vs fsdp: train-step time and collective bytes per step on 8 devices")
+            "ddp+EP vs fsdp: train-step time, collective bytes sent per device and gradient "
+            "reductions per step on 8 devices")
 def bench_parallel(a: argparse.Namespace) -> dict:
-    from jaxmoe.parallel.collectives import compiled_collective_bytes
+    from jaxmoe.parallel.collectives import compiled_collectives, totals
 
-    runs, moved = {}, {}
+    runs, traffic = {}, {}
     for name, overrides in PARALLEL_CASES.items():
         case = _train_step_case(a.config, overrides)
-        runs[name], moved[name] = case.run, compiled_collective_bytes(case.compile())
+        runs[name], traffic[name] = case.run, totals(compiled_collectives(case.compile()))
     secs = time_round_robin(runs, a.repeats)
     first = next(iter(secs))
+    reductions = ("all-reduce", "reduce-scatter")
     result = {"config": a.config, "cases": {
         name: {"step_s": secs[name], "vs_" + first: secs[name] / secs[first],
-               "collective_bytes": moved[name], "collective_total": sum(moved[name].values())}
+               "collective_bytes": {k: t.bytes for k, t in traffic[name].items()},
+               "collective_total": sum(t.bytes for t in traffic[name].values()),
+               # all-reduce and reduce-scatter runs per step, and those inside loops
+               "reductions_per_step": sum(traffic[name][k].runs for k in reductions),
+               "reductions_in_loops": sum(traffic[name][k].ops_in_loops for k in reductions)}
         for name in runs}}
-    kinds = list(next(iter(moved.values())))
-    rows = [("case", "step s", "/first", "total MB") + tuple(k + " MB" for k in kinds)]
+    kinds = list(next(iter(traffic.values())))
+    rows = [("case", "step s", "/first", "total MB") + tuple(k + " MB" for k in kinds)
+            + ("reductions", "in loops")]
     rows += [(n, f"{c['step_s']:.3f}", f"{c['vs_' + first]:.2f}", f"{c['collective_total'] / 1e6:.2f}")
              + tuple(f"{c['collective_bytes'][k] / 1e6:.2f}" for k in kinds)
+             + (str(c["reductions_per_step"]), str(c["reductions_in_loops"]))
              for n, c in result["cases"].items()]
     print_table(rows)
     return result

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxmoe.config import Config, config_from_dict
-from jaxmoe.parallel.pipeline import stored_layer_order
+from jaxmoe.model.transformer import stored_layer_order
 from jaxmoe.step import Steps, TrainState, abstract_model
 
 # 2: optimizer state is jaxmoe.optim.AdamWState (count, mu, nu); 1 held optax's

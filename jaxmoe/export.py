@@ -22,7 +22,7 @@ from flax import nnx
 from jaxmoe import checkpoint
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config
-from jaxmoe.parallel.pipeline import stored_layer_order
+from jaxmoe.model.transformer import stored_layer_order
 
 _RENAME = {"embed": "embedding", "head": "lm_head", "final_norm.scale": "final_norm"}
 

@@ -55,9 +55,9 @@ def plan(config_path: str, overrides: list[str], device: str, mfu: float) -> dic
 
     from jaxmoe import checkpoint
     from jaxmoe.config import flops_per_token, load_config, param_counts
-    from jaxmoe.parallel.collectives import compiled_collective_bytes
+    from jaxmoe.parallel.collectives import compiled_collectives, totals
     from jaxmoe.sharding import make_mesh
-    from jaxmoe.step import build_steps
+    from jaxmoe.step import build_steps, uses_per_device_step
 
     # what XLA:CPU cannot compile, or would compile far bigger than a GPU runs it
     notes, stand_ins = [], []
@@ -91,7 +91,8 @@ def plan(config_path: str, overrides: list[str], device: str, mfu: float) -> dic
     grads = params  # fp32, laid out like the master weights they update
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes \
         + mem.temp_size_in_bytes
-    moved = compiled_collective_bytes(compiled)
+    traffic = totals(compiled_collectives(compiled))
+    moved = {k: t.bytes for k, t in traffic.items()}
     tokens = t.batch_size * t.seq_len
     model_flops = flops_per_token(cfg) * tokens / n
     spec = DEVICES[device]
@@ -101,38 +102,49 @@ def plan(config_path: str, overrides: list[str], device: str, mfu: float) -> dic
     return {
         "config": config_path, "mesh": dict(mesh.shape), "devices": n, "device": device,
         "parallelism": cfg.mesh.parallelism, "dispatcher": cfg.moe.dispatcher,
+        "step_program": "per-device" if uses_per_device_step(cfg, mesh) else "auto-sharded",
         "params_total": counts.total, "params_active": counts.active,
         "bytes_per_device": {"parameters": params, "optimizer_state": opt, "gradients": grads,
                              "activations_and_temporaries": mem.temp_size_in_bytes,
                              "peak": peak},
         "collective_bytes_per_step": moved,
+        # ops that send anything: runs per step, and how many sit inside loops
+        "collective_runs_per_step": {k: t.runs for k, t in traffic.items()},
+        "collective_ops_in_loops": {k: t.ops_in_loops for k, t in traffic.items()},
         "model_flops_per_step_per_device": model_flops,
         "predicted": {"compute_s": compute_s, "communication_s": comm_s,
                       "step_s_no_overlap": compute_s + comm_s,
                       "step_s_full_overlap": max(compute_s, comm_s),
                       "tokens_per_s_no_overlap": tokens / (compute_s + comm_s),
-                      "tokens_per_s_full_overlap": tokens / max(compute_s, comm_s)},
+                      "tokens_per_s_full_overlap": tokens / max(compute_s, comm_s),
+                      "model_tflops_per_device": [model_flops / (compute_s + comm_s) / 1e12,
+                                                  model_flops / max(compute_s, comm_s) / 1e12]},
         "fits": peak <= spec.memory, "device_memory": spec.memory,
         "assumptions": [f"{device}: {spec.memory / 1e9:.0f} GB, {spec.bf16_flops / 1e12:.0f} "
                         f"dense bf16 TFLOP/s, {spec.link / 1e9:.0f} GB/s per direction per link",
                         f"model FLOPs at {mfu:.0%} of peak", "every collective byte crosses the "
-                        "scale-up link once; no overlap vs perfect overlap bound the step",
+                        "scale-up link once (ring costs from each op's replica groups); no "
+                        "overlap vs perfect overlap bound the step",
                         "gradients counted in fp32 at their parameters' sharding"] + notes,
     }
 
 
 def print_plan(p: dict) -> None:
     gb = lambda b: f"{b / 1e9:,.2f} GB"  # noqa: E731
-    print(f"{p['config']}  mesh {p['mesh']}  {p['parallelism']} + {p['dispatcher']}  "
+    print(f"{p['config']}  mesh {p['mesh']}  {p['parallelism']} + {p['dispatcher']} "
+          f"({p['step_program']} step)  "
           f"({p['params_total'] / 1e9:.1f}B total, {p['params_active'] / 1e9:.2f}B active)")
     for k, v in p["bytes_per_device"].items():
         print(f"  {k:28s} {gb(v):>12s} per device")
     for k, v in p["collective_bytes_per_step"].items():
-        print(f"  {k + ' per step':28s} {gb(v):>12s}")
+        print(f"  {k + ' per step':28s} {gb(v):>12s} sent per device, "
+              f"{p['collective_runs_per_step'][k]} runs, {p['collective_ops_in_loops'][k]} ops in loops")
     print(f"  {'model FLOPs per step':28s} {p['model_flops_per_step_per_device']:.3e} per device")
     pr = p["predicted"]
     print(f"  predicted step {pr['step_s_full_overlap']:.2f}-{pr['step_s_no_overlap']:.2f} s, "
-          f"{pr['tokens_per_s_no_overlap']:,.0f}-{pr['tokens_per_s_full_overlap']:,.0f} tokens/s")
+          f"{pr['tokens_per_s_no_overlap']:,.0f}-{pr['tokens_per_s_full_overlap']:,.0f} tokens/s, "
+          f"{pr['model_tflops_per_device'][0]:,.0f}-{pr['model_tflops_per_device'][1]:,.0f} "
+          "model TFLOP/s per device")
     for a in p["assumptions"]:
         print(f"  assumes: {a}")
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"

@@ -20,9 +20,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxmoe import sharding
 from jaxmoe.config import Config
 from jaxmoe.load_metrics import load_metrics
-from jaxmoe.model.transformer import Transformer
-from jaxmoe.parallel.pipeline import stored_layer_order
+from jaxmoe.model.transformer import Transformer, stored_layer_order
 from jaxmoe.optim import learning_rate_schedule, make_optimizer
+from jaxmoe.parallel import ddp
+from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
+from jaxmoe.sharding import BATCH_AXES
 
 
 class TrainState(NamedTuple):
@@ -76,7 +78,7 @@ def state_shardings(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation,
     opt_specs = optax.tree_map_params(
         tx, opt_spec, abs_opt, param_specs,
         transform_non_params=lambda _: P(), is_leaf=is_spec)
-    if cfg.model.compute_dtype != "float32":
+    if _sharded_master(cfg):
         param_specs = jax.tree.map(opt_spec, abs_params, param_specs, is_leaf=is_spec)
     specs = TrainState(P(), param_specs, sharding.state_specs(abs_buffers, rules), opt_specs,
                        P(), P())
@@ -88,6 +90,16 @@ def compute_param_specs(cfg: Config, abs_params: nnx.State) -> nnx.State:
     return sharding.state_specs(abs_params, sharding.RULES[cfg.mesh.parallelism])
 
 
+def optimizer_param_specs(cfg: Config, mesh: Mesh) -> nnx.State:
+    """Where each parameter's optimizer state lives: its ZeRO-1 split when on."""
+    abs_params = abstract_model(cfg)[1]
+    use = compute_param_specs(cfg, abs_params)
+    if not cfg.mesh.zero1:
+        return use
+    return jax.tree.map(lambda p, s: sharding.zero1_spec(s, p.shape, mesh), abs_params, use,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
 def working_copy(cfg: Config, mesh: Mesh, params: nnx.State, specs: nnx.State) -> nnx.State:
     """Matrices cast to the compute dtype and placed where they are used; norms and
     the router stay fp32. The identity for fp32 compute."""
@@ -96,41 +108,28 @@ def working_copy(cfg: Config, mesh: Mesh, params: nnx.State, specs: nnx.State) -
     dtype = jnp.dtype(cfg.model.compute_dtype)
 
     def cast(path, p, spec):
-        keep = p.ndim < 2 or "router" in jax.tree_util.keystr(path)
-        p = p if keep else p.astype(dtype)
+        p = p if _stays_fp32(path, p) else p.astype(dtype)
         return jax.lax.with_sharding_constraint(p, NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(cast, params, specs,
                                             is_leaf=lambda x: isinstance(x, P))
 
 
-def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> Steps:
-    """Compiles init, train and eval steps for `cfg` on `mesh`.
+def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout, working: Callable,
+                 loss_hook: Callable | None = None) -> Callable:
+    """`loss_fn(params, buffers, tokens_BxL1, key, step=None) -> (loss, (ce, aux))`:
+    the mean next-token loss of the rows given, plus the router losses. `working`
+    turns the parameters into the copy the model computes with.
 
     `loss_hook(loss, step) -> loss`, for tests only, may alter the training loss
     (e.g. inject a NaN) without touching the model.
     """
-    sharding.check_divisibility(cfg, mesh)
-    graphdef, abs_params, abs_buffers = abstract_model(cfg)
-    tx = make_optimizer(cfg.optimizer, cfg.train.steps)
-    lr_at = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
-    shardings = state_shardings(cfg, mesh, tx, abs_params, abs_buffers)
-    batch_sh = sharding.batch_sharding(mesh)
     has_moe, moe = cfg.num_moe_layers > 0, cfg.moe
-    M = cfg.train.microbatches
-
-    def init(key):
-        model = Transformer(cfg, nnx.Rngs(params=key))
-        _, params, buffers = nnx.split(model, nnx.Param, ...)
-        zero = jnp.zeros((), jnp.int32)
-        return TrainState(zero, params, buffers, tx.init(params), key, zero)
-
-    use_specs = compute_param_specs(cfg, abs_params)
 
     def loss_fn(params, buffers, tokens_BxL1, key, step=None):
-        model = nnx.merge(graphdef, working_copy(cfg, mesh, params, use_specs), buffers)
-        x, aux = model.hidden(tokens_BxL1[:, :-1], mesh=mesh, key=key, remat=cfg.train.remat)
-        ce = model.cross_entropy(x, tokens_BxL1[:, 1:], mesh, cfg.train.loss_chunk)
+        model = nnx.merge(graphdef, working(params), buffers)
+        x, aux = model.hidden(tokens_BxL1[:, :-1], layout=layout, key=key, remat=cfg.train.remat)
+        ce = model.cross_entropy(x, tokens_BxL1[:, 1:], layout, cfg.train.loss_chunk)
         loss = ce
         if loss_hook is not None and step is not None:  # training only, not eval
             loss = loss_hook(loss, step)
@@ -139,57 +138,201 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
             loss += moe.z_loss_weight * jnp.mean(aux["z_loss"])
         return loss, (ce, aux)
 
+    return loss_fn
+
+
+def accumulate_gradients(loss_fn: Callable, cfg: Config, params, buffers, batch_BxL1: jax.Array,
+                         step_key: jax.Array, step: jax.Array):
+    """Sums over the `train.microbatches` micro-batches of `batch_BxL1`: fp32
+    gradients w.r.t. `params`, loss, ce and router stats (divide by the count)."""
+    M = cfg.train.microbatches
+    B, L1 = batch_BxL1.shape
+    # Strided split keeps each device's rows on that device in every micro-batch.
+    micro_MxBxL1 = batch_BxL1.reshape(B // M, M, L1).swapaxes(0, 1)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def micro(i, tokens):
+        key = jax.random.fold_in(step_key, i) if cfg.moe.router_jitter > 0 else None
+        (loss, (ce, aux)), grads = grad_fn(params, buffers, tokens, key, step)
+        return jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss, ce, aux
+
+    if M == 1:  # no accumulation loop: no zeroed gradient tree to add into
+        return micro(0, micro_MxBxL1[0])
+
+    def add(sums, xs):  # one traced copy of the model, looped
+        return jax.tree.map(jnp.add, sums, micro(*xs)), None
+
+    # forward only: the shapes (and, per device, the varying axes) of loss, ce and stats
+    loss, (ce, aux) = jax.eval_shape(loss_fn, params, buffers, micro_MxBxL1[0], None, step)
+    zeros = (jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params),
+             *jax.tree.map(_zeros, (loss, ce, aux)))
+    sums, _ = jax.lax.scan(add, zeros, (jnp.arange(M), micro_MxBxL1))
+    return sums
+
+
+def _zeros(a: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of a's shape and dtype that vary over the same mesh axes as a."""
+    z = jnp.zeros(a.shape, a.dtype)
+    manual = getattr(a, "manual_axis_type", None)
+    varying = tuple(sorted(manual.varying)) if manual is not None else ()
+    return jax.lax.pcast(z, varying, to="varying") if varying else z
+
+
+def step_metrics(cfg: Config, layout, loss, ce, aux, grad_norm, lr, finite, num_tokens: int):
+    """The step's metrics from its (global, summed over micro-batches) losses and stats."""
+    M = cfg.train.microbatches
+    metrics = {"loss": loss / M, "ce": ce / M, "grad_norm": grad_norm, "lr": lr,
+               "skipped": (~finite).astype(jnp.int32)}
+    if cfg.num_moe_layers:
+        aux = {**aux, "balance_loss": aux["balance_loss"] / M, "z_loss": aux["z_loss"] / M}
+        metrics["balance_loss"] = jnp.mean(aux["balance_loss"])
+        metrics["z_loss"] = jnp.mean(aux["z_loss"])
+        metrics |= load_metrics(aux, num_tokens, cfg.moe.top_k, layout.mesh.shape["expert"],
+                                cfg.moe.balance_loss_weight)
+    return metrics
+
+
+def new_buffers(cfg: Config, state: TrainState, aux, finite) -> nnx.State:
+    """Router biases after the step (unchanged on a skipped one)."""
+    buffers = state.buffers
+    if cfg.num_moe_layers and cfg.moe.expert_bias:
+        buffers = update_expert_bias(buffers, aux["counts_E"], cfg.moe.bias_update_rate,
+                                     stored_layer_order(cfg))
+    return jax.tree.map(lambda new, old: jnp.where(finite, new, old), buffers, state.buffers)
+
+
+def auto_train_step(cfg: Config, layout: GlobalLayout, loss_fn: Callable, tx, lr_at) -> Callable:
+    """The train step as one auto-sharded program (fsdp, and ddp with pipeline
+    stages): XLA places the reductions."""
 
     def train_step(state: TrainState, batch_BxL1: jax.Array):
         step_key = jax.random.fold_in(state.key, state.step)
-        B, L1 = batch_BxL1.shape
-        # Strided split keeps each device's rows on that device in every microbatch.
-        micro_MxBxL1 = batch_BxL1.reshape(B // M, M, L1).swapaxes(0, 1)
-
-        def micro(i, tokens):
-            key = jax.random.fold_in(step_key, i) if moe.router_jitter > 0 else None
-            (loss, (ce, aux)), grads = grad_fn(state.params, state.buffers, tokens, key, state.step)
-            return grads, loss, ce, aux
-
-        if M == 1:  # no accumulation loop: no zeroed gradient tree to add into
-            grads, loss, ce, aux = micro(0, micro_MxBxL1[0])
-        else:  # one traced copy of the model, looped
-            def accumulate(sums, xs):
-                return jax.tree.map(jnp.add, sums, micro(*xs)), None
-
-            aux_shapes = jax.eval_shape(loss_fn, state.params, state.buffers, micro_MxBxL1[0],
-                                        None, state.step)[1][1]  # forward only: router stats
-            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                                 (state.params, jnp.float32(0), jnp.float32(0), aux_shapes))
-            (grads, loss, ce, aux), _ = jax.lax.scan(accumulate, zeros,
-                                                     (jnp.arange(M), micro_MxBxL1))
-            grads = jax.tree.map(lambda g: g / M, grads)
+        grads, loss, ce, aux = accumulate_gradients(loss_fn, cfg, state.params, state.buffers,
+                                                    batch_BxL1, step_key, state.step)
+        grads = jax.tree.map(lambda g: g / cfg.train.microbatches, grads)
         params, opt_state, grad_norm, finite = apply_gradients(tx, state.params, state.opt_state,
                                                                grads, loss)
-        buffers = state.buffers
         # The rate this update used: the schedule runs on the optimizer's count,
         # which skipped steps do not advance.
-        metrics = {"loss": loss / M, "ce": ce / M, "grad_norm": grad_norm,
-                   "lr": lr_at(state.opt_state.count),
-                   "skipped": (~finite).astype(jnp.int32)}
-        if has_moe:
-            aux = {**aux, "balance_loss": aux["balance_loss"] / M, "z_loss": aux["z_loss"] / M}
-            metrics["balance_loss"] = jnp.mean(aux["balance_loss"])
-            metrics["z_loss"] = jnp.mean(aux["z_loss"])
-            metrics |= load_metrics(aux, B * (L1 - 1), moe.top_k, mesh.shape["expert"],
-                                    moe.balance_loss_weight)
-            if moe.expert_bias:
-                buffers = update_expert_bias(buffers, aux["counts_E"], moe.bias_update_rate,
-                                             stored_layer_order(cfg))
-        buffers = jax.tree.map(lambda new, old: jnp.where(finite, new, old), buffers, state.buffers)
+        metrics = step_metrics(cfg, layout, loss, ce, aux, grad_norm, lr_at(state.opt_state.count),
+                               finite, batch_BxL1.shape[0] * (batch_BxL1.shape[1] - 1))
         bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
         metrics["bad_steps"] = bad_steps
-        new_state = TrainState(state.step + 1, params, buffers, opt_state, state.key, bad_steps)
-        return new_state, metrics
+        return TrainState(state.step + 1, params, new_buffers(cfg, state, aux, finite), opt_state,
+                          state.key, bad_steps), metrics
+
+    return train_step
+
+
+def ddp_train_step(cfg: Config, layout: DeviceLayout, specs: TrainState, loss_fn: Callable, tx,
+                   lr_at) -> Callable:
+    """The ddp train step as one per-device program over the whole mesh.
+
+    Each device runs the model on its own rows with its dense replicas and its
+    experts; gradients accumulate locally over the micro-batches and are reduced
+    once at the end, into the ZeRO-1 shards (`jaxmoe.parallel.ddp`), where the
+    optimizer updates them; the new shards are gathered once.
+    """
+    mesh = layout.mesh
+    plans = ddp.reductions(compute_param_specs(cfg, abstract_model(cfg)[1]),
+                           optimizer_param_specs(cfg, mesh), mesh)
+    sharded_master = _sharded_master(cfg)
+    n_batch = mesh.shape["data"] * mesh.shape["expert"]
+    M = cfg.train.microbatches
+
+    def tree_map(fn, tree, plans):  # plans: a Reduction where `tree` has an array
+        flat = jax.tree.leaves(plans, is_leaf=lambda x: isinstance(x, ddp.Reduction))
+        return jax.tree.unflatten(jax.tree.structure(tree),
+                                  [fn(x, r) for x, r in zip(jax.tree.leaves(tree), flat)])
+
+    def local_step(state: TrainState, rows_bxL1: jax.Array):
+        step_key = jax.random.fold_in(state.key, state.step)
+        step_key = jax.random.fold_in(step_key, jax.lax.axis_index(BATCH_AXES))  # own jitter
+        # rows, like the weights, vary over every axis (stage included), so no
+        # use of a weight implies a reduction of its gradient
+        rows_bxL1 = jax.lax.pcast(rows_bxL1, ("stage",), to="varying")
+        # The working copy, made once per step: cast, then (ZeRO-1 bf16 masters) gathered.
+        working = jax.tree_util.tree_map_with_path(
+            lambda path, p: p if _stays_fp32(path, p) else p.astype(cfg.model.compute_dtype),
+            state.params)
+        if sharded_master:
+            working = tree_map(ddp.gather_shards, working, plans)
+        working = tree_map(ddp.to_per_device, working, plans)
+        grads, loss, ce, aux = accumulate_gradients(loss_fn, cfg, working, state.buffers,
+                                                    rows_bxL1, step_key, state.step)
+        scale = 1.0 / (n_batch * M)
+        grads = tree_map(lambda g, r: ddp.reduce_gradient(g, r) * scale, grads, plans)
+        # (over every axis: `stage` is 1 here, and the sums must not vary over it)
+        total = lambda v: ddp.psum_everywhere(v, mesh.axis_names)  # noqa: E731
+        loss, ce = total(loss) / n_batch, total(ce) / n_batch
+        aux = {k: total(v) / (n_batch if k in ("balance_loss", "z_loss") else 1)
+               for k, v in aux.items()}
+        grad_norm = ddp.global_norm(grads, plans, mesh)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params = state.params if sharded_master else tree_map(ddp.own_shard, state.params, plans)
+        updates, opt_state = tx.update(grads, state.opt_state, params, skip=~finite,
+                                       grad_norm=grad_norm)
+        params = optax.apply_updates(params, updates)
+        if not sharded_master:
+            params = tree_map(ddp.gather_shards, params, plans)
+        B, L1 = rows_bxL1.shape
+        metrics = step_metrics(cfg, layout, loss, ce, aux, grad_norm, lr_at(state.opt_state.count),
+                               finite, n_batch * B * (L1 - 1))
+        bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
+        metrics["bad_steps"] = bad_steps
+        return TrainState(state.step + 1, params, new_buffers(cfg, state, aux, finite), opt_state,
+                          state.key, bad_steps), metrics
+
+    return jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(BATCH_AXES)),
+                         out_specs=(specs, P()), check_vma=True)
+
+
+def _stays_fp32(path, p) -> bool:
+    """Norms, biases and the router compute in fp32 whatever the compute dtype."""
+    return p.ndim < 2 or "router" in jax.tree_util.keystr(path)
+
+
+def _sharded_master(cfg: Config) -> bool:
+    """Whether the fp32 master weights live in ZeRO-1 shards (see `state_shardings`)."""
+    return cfg.mesh.zero1 and cfg.model.compute_dtype != "float32"
+
+
+def uses_per_device_step(cfg: Config, mesh: Mesh) -> bool:
+    """ddp trains with the per-device step; pipelines still run auto-sharded."""
+    return cfg.mesh.parallelism == "ddp" and mesh.shape["stage"] == 1
+
+
+def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> Steps:
+    """Compiles init, train and eval steps for `cfg` on `mesh` (see `make_loss_fn`
+    for `loss_hook`)."""
+    sharding.check_divisibility(cfg, mesh)
+    graphdef, abs_params, abs_buffers = abstract_model(cfg)
+    tx = make_optimizer(cfg.optimizer, cfg.train.steps)
+    lr_at = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    shardings = state_shardings(cfg, mesh, tx, abs_params, abs_buffers)
+    batch_sh = sharding.batch_sharding(mesh)
+    layout = GlobalLayout(mesh, cfg)
+    use_specs = compute_param_specs(cfg, abs_params)
+    global_loss = make_loss_fn(cfg, graphdef, layout,
+                               lambda p: working_copy(cfg, mesh, p, use_specs), loss_hook)
+
+    def init(key):
+        model = Transformer(cfg, nnx.Rngs(params=key))
+        _, params, buffers = nnx.split(model, nnx.Param, ...)
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(zero, params, buffers, tx.init(params), key, zero)
+
+    if uses_per_device_step(cfg, mesh):
+        specs = jax.tree.map(lambda s: s.spec, shardings,
+                             is_leaf=lambda x: isinstance(x, NamedSharding))
+        device_layout = DeviceLayout(mesh, cfg)
+        local_loss = make_loss_fn(cfg, graphdef, device_layout, lambda p: p, loss_hook)
+        train_step = ddp_train_step(cfg, device_layout, specs, local_loss, tx, lr_at)
+    else:
+        train_step = auto_train_step(cfg, layout, global_loss, tx, lr_at)
 
     def eval_step(state: TrainState, batch_BxL1: jax.Array):
-        _, (ce, _) = loss_fn(state.params, state.buffers, batch_BxL1, None)
+        _, (ce, _) = global_loss(state.params, state.buffers, batch_BxL1, None)
         return {"ce": ce}
 
     rep = sharding.replicated(mesh)

@@ -17,6 +17,7 @@ from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import MeshConfig
 from jaxmoe.data import heldout_batches, load_corpus
 from jaxmoe.model.transformer import Transformer
+from jaxmoe.parallel.layout import GlobalLayout
 from jaxmoe.sharding import make_mesh
 from jaxmoe.step import build_steps
 
@@ -186,7 +187,7 @@ def test_load_params_from_a_padded_circular_pipeline(tmp_path):
     hand back model order without the padding."""
     from jaxmoe import checkpoint
     from jaxmoe.config import config_from_dict
-    from jaxmoe.parallel.pipeline import stored_layer_order
+    from jaxmoe.model.transformer import stored_layer_order
     cfg = config_from_dict({
         "model": {"d_model": 32, "num_layers": 7, "num_heads": 4, "num_kv_heads": 2,
                   "num_dense_layers": 1, "mlp_hidden": 64},
@@ -205,7 +206,7 @@ def test_load_params_from_a_padded_circular_pipeline(tmp_path):
     manager.wait_until_finished()
     tokens = jax.random.randint(jax.random.key(6), (8, 16), 0, 256)
     ref, _ = jax.jit(lambda s, t: nnx.merge(steps.graphdef, s.params, s.buffers)(
-        t, mesh=steps.mesh))(state, jax.device_put(tokens, steps.batch_sharding))
+        t, layout=GlobalLayout(steps.mesh, cfg)))(state, jax.device_put(tokens, steps.batch_sharding))
     params, local = jaxmoe.load_params(tmp_path)
     assert jax.tree.leaves(params["moe_layers"])[0].shape[0] == 6
     got, _ = jaxmoe.apply(params, tokens, local)

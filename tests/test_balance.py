@@ -11,6 +11,7 @@ from jaxmoe import checkpoint
 from jaxmoe.config import MoEConfig, MeshConfig, config_from_dict
 from jaxmoe.load_metrics import gerrymandering, load_metrics
 from jaxmoe.model.moe import MoE
+from jaxmoe.parallel.layout import GlobalLayout
 from jaxmoe.model.router import balance_loss, route
 from jaxmoe.sharding import make_mesh
 from jaxmoe.step import build_steps, update_expert_bias
@@ -94,7 +95,7 @@ def test_metrics_exact_under_expert_parallelism(dead):
 
     @jax.jit
     def run(state, x):
-        y, aux = nnx.merge(graphdef, state)(x, mesh)
+        y, aux = nnx.merge(graphdef, state)(x, GlobalLayout(mesh))
         aux = jax.tree.map(lambda a: a[None], aux)
         return load_metrics(aux, 64, 1, mesh.shape["expert"], 0.01)
 
@@ -117,7 +118,8 @@ def test_everything_to_one_expert_under_alltoall_tight_capacity():
     x = jax.random.normal(jax.random.key(0), (8, 8, E)) ** 2 + 0.1  # positive: picks 5
     graphdef, state = nnx.split(moe)
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "expert")))
-    y, aux = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, mesh))(state, jax.device_put(x, spec))
+    y, aux = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, GlobalLayout(mesh)))(
+        state, jax.device_put(x, spec))
     T_local, C = 8, 1  # 64 tokens over 8 devices; capacity ceil(1.0 * 8 * 1 / 8) = 1
     assert int(aux["dropped"]) == 8 * (T_local - C)
     m = load_metrics(jax.tree.map(lambda a: a[None], aux), 64, 1, 4, 0.01)

@@ -1,5 +1,6 @@
 """Expert-parallel dispatchers against the single-device references, on 8 fake devices."""
 
+import dataclasses
 import re
 
 import jax
@@ -10,12 +11,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.config import ConfigError, MeshConfig, MoEConfig, config_from_dict
-from jaxmoe.model.dispatch import capacity, dense_dispatch, get_dispatcher
+from jaxmoe.model.dispatch import capacity, dense_dispatch
 from jaxmoe.model.experts import ExpertWeights, expert_ffn
 from jaxmoe.model.moe import MoE
 from jaxmoe.model.router import Routing, route
 from jaxmoe.parallel import ragged_cpu
 from jaxmoe.parallel.ep_dispatch import ragged_ffn, ragged_plan
+from jaxmoe.parallel.layout import dispatch_on_mesh, layout_for
 from jaxmoe.sharding import BATCH_AXES, make_mesh, per_device_shapes
 from jaxmoe.step import build_steps
 
@@ -56,7 +58,7 @@ def _dispatch_vjp(name, cfg, mesh, batched=False):
     def run(x_TxD, expert_TxK, gate_TxK, w, ct_TxD):
         def f(x, g, w):
             r = Routing(expert_TxK, g, None, None, None)
-            out = get_dispatcher(name)(x, r, w, cfg, mesh)
+            out = dispatch_on_mesh(x, r, w, dataclasses.replace(cfg, dispatcher=name), mesh)
             return out.y_TxD, out.dropped
         (y, dropped), vjp = jax.vjp(f, x_TxD, gate_TxK, w)
         grads = vjp((ct_TxD, np.zeros((), jax.dtypes.float0)))
@@ -125,7 +127,7 @@ def test_alltoall_fsdp_weights_are_regathered(problem):
     assert per_device_shapes(fsdp_w.w_gate_up_ExDx2F) == {(E // 4, D // 2, 2 * F)}
     tok = NamedSharding(mesh, P(BATCH_AXES))
     cfg = _cfg("alltoall")
-    y = jax.jit(lambda *a: get_dispatcher("alltoall")(*a, cfg, mesh).y_TxD)(
+    y = jax.jit(lambda *a: dispatch_on_mesh(*a, cfg, mesh).y_TxD)(
         jax.device_put(x, tok), jax.tree.map(lambda a: jax.device_put(a, tok), routing), fsdp_w)
     assert _close(y, y_ref) and not _close(y, y_bad, atol=1e-3)
 
@@ -221,7 +223,7 @@ def test_drops_match_numpy_keep_mask_with_gradients(problem, tight_alltoall, nam
 def test_ep_dispatch_without_mesh_is_rejected(problem, name):
     x, routing, w, *_ = problem
     with pytest.raises(ValueError, match="moe.dispatcher"):
-        get_dispatcher(name)(x, routing, w, _cfg(name), None)
+        dispatch_on_mesh(x, routing, w, _cfg(name), None)
 
 
 # ------------------------------------------------------------------ ragged
@@ -439,7 +441,8 @@ def test_moe_module_ep_matches_dense():
     def build(cfg):
         moe = MoE(D, cfg, 0.3, 0.3, nnx.Rngs(0))
         graphdef, state = nnx.split(moe)
-        return state, jax.jit(lambda s, x, m: nnx.merge(graphdef, s)(x, m), static_argnums=2)
+        return state, jax.jit(lambda s, x, m: nnx.merge(graphdef, s)(x, layout_for(None, m)),
+                              static_argnums=2)
 
     ref_state, dense = build(_cfg("dense"))
     y_ref, aux_ref = dense(ref_state, x, None)

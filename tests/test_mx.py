@@ -281,7 +281,7 @@ def test_config_reaches_the_expert_gemms():
 
 
 def _expert_grads(cfg, mesh=None):
-    from jaxmoe.model.dispatch import get_dispatcher
+    from jaxmoe.parallel.layout import dispatch_on_mesh
     from jaxmoe.model.experts import ExpertWeights
     from jaxmoe.model.router import route
     ks = jax.random.split(jax.random.key(0), 4)
@@ -291,7 +291,7 @@ def _expert_grads(cfg, mesh=None):
     w = ExpertWeights(jax.random.normal(ks[2], (E, D, 2 * F)) / 8, jax.random.normal(ks[3], (E, F, D)) / 8)
 
     def loss(x, w):
-        out = get_dispatcher(cfg.dispatcher)(x, route(logits, cfg), w, cfg, mesh)
+        out = dispatch_on_mesh(x, route(logits, cfg), w, cfg, mesh)
         return jnp.sum(jnp.sin(out.y_TxD))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxmoe.config import ConfigError, config_from_dict
+from jaxmoe.parallel.layout import layout_for
 from jaxmoe.parallel.pipeline import bubble_fraction
 from jaxmoe.sharding import make_mesh, per_device_shapes
 from jaxmoe.step import build_steps
@@ -43,7 +44,7 @@ def _model(mesh_cfg, pipeline_microbatches=1, dispatcher="dense", devices=None):
 
     def loss(params, remat="none"):
         logits, aux = nnx.merge(steps.graphdef, params, state.buffers)(
-            tokens[:, :-1], mesh=mesh, remat=remat)
+            tokens[:, :-1], layout=layout_for(cfg, mesh), remat=remat)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
         return ce + 0.01 * jnp.mean(aux["balance_loss"]) + 0.001 * jnp.mean(aux["z_loss"]), aux
 
@@ -158,7 +159,7 @@ def test_bubble_fraction():
     (2, 2, "alltoall", 2, 8, "compute"),
     (4, 1, "grouped", 1, 7, "compute"), (2, 2, "alltoall", 2, 6, "mxfp8")])  # 7, 6: padded
 def test_stage_major_layouts_equal_sequential(stages, virtual, dispatcher, expert, moe_layers, precision):
-    from jaxmoe.parallel.pipeline import stored_layer_order
+    from jaxmoe.model.transformer import stored_layer_order
     schedule = "circular" if virtual > 1 else "gpipe"
     raw = {**BASE, "model": {**BASE["model"], "num_layers": moe_layers + 1},
            "moe": {**BASE["moe"], "dispatcher": dispatcher, "expert_precision": precision},
@@ -174,7 +175,8 @@ def test_stage_major_layouts_equal_sequential(stages, virtual, dispatcher, exper
     assert per_device_shapes(w) == {(8 // stages, 8 // expert) + w.shape[2:]}  # own chunks only
 
     def loss(graphdef, params, buffers, mesh):
-        logits, aux = nnx.merge(graphdef, params, buffers)(tokens[:, :-1], mesh=mesh)
+        logits, aux = nnx.merge(graphdef, params, buffers)(tokens[:, :-1],
+                                                           layout=layout_for(cfg, mesh))
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
         return ce + 0.01 * jnp.mean(aux["balance_loss"]), aux
 

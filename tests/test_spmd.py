@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import ConfigError, MeshConfig, config_from_dict
-from jaxmoe.parallel.collectives import compiled_collective_bytes
+from jaxmoe.parallel.collectives import compiled_collective_bytes, compiled_collectives, totals
 from jaxmoe.sharding import fraction_per_device, make_mesh, per_device_shapes
 from jaxmoe.step import build_steps
 
@@ -25,13 +25,17 @@ BASE = {
 LR, B1, STEPS = 1e-2, 0.9, 2
 
 
-def _cfg(mesh=None, **moe):
-    return config_from_dict({**BASE, "moe": {**BASE["moe"], **moe}, "mesh": mesh or {"data": 1}})
+def _cfg(mesh=None, microbatches=2, dtype="float32", **moe):
+    # every micro-batch splits over 8 devices
+    train = {**BASE["train"], "microbatches": microbatches, "batch_size": max(16, 8 * microbatches)}
+    return config_from_dict({**BASE, "moe": {**BASE["moe"], **moe}, "mesh": mesh or {"data": 1},
+                             "train": train,
+                             "model": {**BASE["model"], "compute_dtype": dtype}})
 
 
-def _batches(n=STEPS):
+def _batches(n=STEPS, rows=16):
     rng = np.random.default_rng(0)
-    return [rng.integers(0, 256, (16, 17), dtype=np.int32) for _ in range(n)]
+    return [rng.integers(0, 256, (rows, 17), dtype=np.int32) for _ in range(n)]
 
 
 def _run(cfg, devices):
@@ -40,7 +44,7 @@ def _run(cfg, devices):
     state = steps.init(jax.random.PRNGKey(0))
     initial = jax.device_get(state.params)
     losses, norms, first_grads = [], [], None
-    for b in _batches():
+    for b in _batches(rows=cfg.train.batch_size):
         state, metrics = steps.train_step(state, jax.device_put(b, steps.batch_sharding))
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
@@ -51,8 +55,19 @@ def _run(cfg, devices):
 
 @pytest.fixture(scope="module")
 def reference():
-    initial, grads, state, losses, norms = _run(_cfg(dispatcher="dense"), jax.devices()[:1])
-    return initial, grads, jax.device_get(state.params), losses, norms
+    """One device's run for a micro-batch count (the balance loss is per micro-batch,
+    so the count changes the gradient)."""
+    runs = {}
+
+    def get(microbatches):
+        if microbatches not in runs:
+            initial, grads, state, losses, norms = _run(_cfg(microbatches=microbatches,
+                                                             dispatcher="dense"),
+                                                        jax.devices()[:1])
+            runs[microbatches] = initial, grads, jax.device_get(state.params), losses, norms
+        return runs[microbatches]
+
+    return get
 
 
 def _grads_close(got, want):
@@ -64,18 +79,23 @@ def _grads_close(got, want):
     jax.tree.map(close, got, want)
 
 
-@pytest.mark.parametrize("mesh, dispatcher", [
-    ({"data": 2, "expert": 4, "parallelism": "ddp"}, "alltoall"),
-    ({"data": 2, "expert": 4, "parallelism": "ddp", "zero1": False}, "alltoall"),
-    ({"data": 2, "expert": 4, "parallelism": "fsdp"}, "alltoall"),
-    ({"data": 1, "expert": 8, "parallelism": "ddp"}, "allgather"),
-    ({"data": 8, "parallelism": "ddp"}, "grouped"),
+@pytest.mark.parametrize("mesh, dispatcher, microbatches", [
+    ({"data": 2, "expert": 4, "parallelism": "ddp"}, "alltoall", 2),
+    ({"data": 2, "expert": 4, "parallelism": "ddp"}, "alltoall", 1),
+    ({"data": 2, "expert": 4, "parallelism": "ddp", "zero1": False}, "alltoall", 2),
+    ({"data": 2, "expert": 4, "parallelism": "fsdp"}, "alltoall", 2),
+    ({"data": 1, "expert": 8, "parallelism": "ddp"}, "allgather", 2),
+    ({"data": 8, "parallelism": "ddp"}, "grouped", 2),
+    ({"data": 8, "parallelism": "ddp", "zero1": False}, "grouped", 4),
 ])
-def test_sharded_step_equals_single_device(reference, mesh, dispatcher):
-    ref_initial, ref_grads, ref_params, ref_losses, ref_norms = reference
-    initial, grads, state, losses, norms = _run(_cfg(mesh, dispatcher=dispatcher), jax.devices())
+def test_sharded_step_equals_single_device(reference, mesh, dispatcher, microbatches):
+    ref_initial, ref_grads, ref_params, ref_losses, ref_norms = reference(microbatches)
+    initial, grads, state, losses, norms = _run(
+        _cfg(mesh, microbatches, dispatcher=dispatcher), jax.devices())
     chex.assert_trees_all_equal(initial, ref_initial)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # the first step's loss, before Adam has turned last-bit gradient differences
+    # into lr-sized parameter differences (bounded below)
+    np.testing.assert_allclose(losses[0], ref_losses[0], rtol=1e-5)
     np.testing.assert_allclose(norms[0], ref_norms[0], rtol=1e-5)
     _grads_close(grads, ref_grads)
     # the gradient check has teeth: half or twice the reduction fails it
@@ -87,6 +107,65 @@ def test_sharded_step_equals_single_device(reference, mesh, dispatcher):
     # other way: parameters can differ by 2 lr per step, and no more.
     params = jax.device_get(state.params)
     chex.assert_trees_all_close(params, ref_params, rtol=0, atol=2 * LR * STEPS)
+
+
+@pytest.mark.parametrize("mesh, dispatcher", [
+    ({"data": 2, "expert": 4, "parallelism": "ddp"}, "ragged"),
+    ({"data": 8, "parallelism": "ddp", "zero1": False}, "grouped"),
+])
+def test_bf16_ddp_step_equals_single_device(mesh, dispatcher):
+    """bf16 compute: the per-device step (ZeRO-1 shards of fp32 masters, gathered
+    as bf16) against one device computing in bf16."""
+    _, want, _, want_losses, want_norms = _run(_cfg(None, 4, dtype="bfloat16", dispatcher="dense"),
+                                               jax.devices()[:1])
+    _, got, _, losses, norms = _run(_cfg(mesh, 4, dtype="bfloat16", dispatcher=dispatcher),
+                                    jax.devices())
+    # bf16 rounds to 2^-8 relative; two orders of the same bf16 sums differ by a few
+    # of those units of a tensor's largest terms (8 allowed: 3%), a factor 2 by 100%
+    u = 2.0 ** -8
+
+    def close(g, w, scale=1.0):
+        np.testing.assert_allclose(scale * g, w, rtol=8 * u, atol=8 * u * float(np.abs(w).max()))
+
+    jax.tree.map(close, got, want)
+    np.testing.assert_allclose(losses[0], want_losses[0], rtol=u)
+    np.testing.assert_allclose(norms[0], want_norms[0], rtol=8 * u)
+    for wrong in (0.5, 2.0):
+        with pytest.raises(AssertionError):
+            jax.tree.map(lambda g, w: close(g, w, wrong), got, want)
+
+
+def _compiled_step(mesh, microbatches, dispatcher="alltoall"):
+    cfg = _cfg(mesh, microbatches, dispatcher=dispatcher, balance_scope="microbatch")
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    state = jax.eval_shape(steps.init, jax.random.PRNGKey(0))
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         state, steps.state_shardings)
+    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, 17), jnp.int32,
+                                 sharding=steps.batch_sharding)
+    return totals(compiled_collectives(steps.train_step.lower(state, batch).compile()))
+
+
+def test_ddp_reduces_gradients_once_per_step():
+    """No gradient reduction inside the layer scan or the micro-batch loop, and as
+    many per step with 8 micro-batches as with 2; routing reads only the device's
+    own tokens (no all-gather inside the loops). The auto-sharded fsdp step is
+    the contrast: it reduces inside the loops, more often with more micro-batches."""
+    ddp = {M: _compiled_step({"data": 2, "expert": 4, "parallelism": "ddp"}, M) for M in (2, 8)}
+    for t in ddp.values():
+        for kind in ("all-reduce", "reduce-scatter", "all-gather"):
+            assert t[kind].ops_in_loops == 0, (kind, t[kind])
+        assert t["all-to-all"].ops_in_loops > 0  # the expert exchange, once per layer
+    for kind in ("all-reduce", "reduce-scatter"):
+        assert ddp[2][kind].runs == ddp[8][kind].runs and ddp[2][kind].bytes == ddp[8][kind].bytes
+    # one reduce-scatter per ZeRO-1-split parameter, the bytes of one fp32 gradient
+    # copy x (n-1)/n over its replicas
+    assert ddp[2]["reduce-scatter"].runs > 0
+    fsdp = {M: _compiled_step({"data": 2, "expert": 4, "parallelism": "fsdp"}, M) for M in (2, 8)}
+    in_loops = lambda t: t["all-reduce"].ops_in_loops + t["reduce-scatter"].ops_in_loops  # noqa: E731
+    assert in_loops(fsdp[2]) > 0
+    runs = lambda t: t["all-reduce"].runs + t["reduce-scatter"].runs  # noqa: E731
+    assert runs(fsdp[8]) > runs(fsdp[2])
 
 
 def _leaf(state, *path):
@@ -158,7 +237,7 @@ def test_mesh_minus_one_fills():
 
 
 def test_bf16_compute_keeps_sharded_fp32_master(reference):
-    ref_losses = reference[3]
+    ref_losses = reference(2)[3]
     cfg = config_from_dict({**BASE, "model": {**BASE["model"], "compute_dtype": "bfloat16"},
                             "moe": {**BASE["moe"], "dispatcher": "alltoall"},
                             "mesh": {"data": 2, "expert": 4}})
@@ -167,7 +246,7 @@ def test_bf16_compute_keeps_sharded_fp32_master(reference):
     wq = state.params["moe_layers"]["attn"]["w_q"][...]
     assert wq.dtype == jnp.float32 and fraction_per_device(wq) == pytest.approx(1 / 8)
     losses = []
-    for b in _batches():
+    for b in _batches(rows=cfg.train.batch_size):
         state, metrics = steps.train_step(state, jax.device_put(b, steps.batch_sharding))
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)  # bf16 tracks fp32

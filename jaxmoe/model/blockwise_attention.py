@@ -44,9 +44,10 @@ def blockwise_attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: j
             o = o * correction[..., None] + jnp.einsum("bgrqs,bsgk->bgrqk", p, v.astype(jnp.float32))
             return (o, m_new, l), None
 
-        init = (jnp.zeros((B, G, R, block, K), jnp.float32),
-                jnp.full((B, G, R, block), _MASKED, jnp.float32),
-                jnp.zeros((B, G, R, block), jnp.float32))
+        # like q, so that inside a per-device program they vary over the same axes
+        init = (jnp.zeros_like(q, shape=(B, G, R, block, K)),
+                jnp.full_like(q, _MASKED, shape=(B, G, R, block)),
+                jnp.zeros_like(q, shape=(B, G, R, block)))
         (o, _, l), _ = jax.lax.scan(jax.checkpoint(key_block), init,
                                     (jnp.arange(N), k_NxBxCxGxK, v_NxBxCxGxK))
         return (o / l[..., None]).transpose(0, 3, 1, 2, 4)  # [B, C, G, R, K]

@@ -1,13 +1,13 @@
 """Token dispatch: moving routed token copies to their experts and back.
 
-Every dispatcher has one signature,
+The local dispatchers share one signature,
 
-    dispatcher(x_TxD, routing, weights, cfg, mesh) -> Dispatched(y_TxD, dropped)
+    dispatcher(x_TxD, routing, weights, cfg) -> Dispatched(y_TxD, dropped)
 
-so the router and the experts never change when a dispatcher is added.
-`dense` (every expert on every token) is the reference; `grouped` packs the
-copies into fixed per-expert buffers for a batched GEMM. The expert-parallel
-dispatchers register themselves from `jaxmoe.parallel.ep_dispatch`.
+so the router and the experts never change when one is added. `dense` (every
+expert on every token) is the reference; `grouped` packs the copies into fixed
+per-expert buffers for a batched GEMM. The expert-parallel dispatchers live in
+`jaxmoe.parallel.ep_dispatch`; a layout (`jaxmoe.parallel.layout`) picks one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.model.experts import ExpertWeights, expert_ffn
@@ -29,23 +28,18 @@ class Dispatched(NamedTuple):
     dropped: jax.Array  # int32: token copies that found no room (0 when dropless)
 
 
-Dispatcher = Callable[[jax.Array, Routing, ExpertWeights, MoEConfig, "Mesh | None"], Dispatched]
-DISPATCHERS: dict[str, Dispatcher] = {}
-
-
-def register(name: str):
-    def wrap(fn: Dispatcher) -> Dispatcher:
-        DISPATCHERS[name] = fn
-        return fn
-    return wrap
+Dispatcher = Callable[[jax.Array, Routing, ExpertWeights, MoEConfig], Dispatched]
+LOCAL_DISPATCHERS = ("dense", "grouped")
 
 
 def get_dispatcher(name: str) -> Dispatcher:
-    if name not in DISPATCHERS:
-        import jaxmoe.parallel.ep_dispatch  # noqa: F401  (registers the EP dispatchers)
-    if name not in DISPATCHERS:
-        raise ValueError(f"moe.dispatcher: unknown dispatcher {name!r} (known: {sorted(DISPATCHERS)})")
-    return DISPATCHERS[name]
+    """A local dispatcher by name; the expert-parallel ones need a layout."""
+    local = {"dense": dense_dispatch, "grouped": grouped_dispatch}
+    if name not in local:
+        raise ValueError(f"moe.dispatcher: {name!r} is not a local dispatcher "
+                         f"{LOCAL_DISPATCHERS}; expert-parallel dispatchers run with a device "
+                         "mesh (`mesh=` in the API, a mesh in the config for training)")
+    return local[name]
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
@@ -93,8 +87,7 @@ def combine_rows(y_SxD: jax.Array, slot_N: jax.Array, gate_KxT: jax.Array) -> ja
     return jnp.sum(y_KxTxD * gate_KxT.astype(y_SxD.dtype)[:, :, None], axis=0)
 
 
-@register("dense")
-def dense_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig, mesh=None) -> Dispatched:
+def dense_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> Dispatched:
     """Reference: every expert on every token, weighted by the (mostly zero) gates."""
     T, E = x_TxD.shape[0], cfg.num_experts
     gates_TxE = jnp.zeros((T, E), jnp.float32).at[
@@ -104,8 +97,7 @@ def dense_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig, me
     return Dispatched(y_TxD, jnp.zeros((), jnp.int32))
 
 
-@register("grouped")
-def grouped_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig, mesh=None) -> Dispatched:
+def grouped_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> Dispatched:
     """Local capacity-bounded dispatch: per-expert buffers and one batched GEMM.
 
     Copies are ranked k-major (every token's first choice before any second

@@ -5,35 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.model.dispatch import Dispatched, get_dispatcher
+from jaxmoe.model.dispatch import get_dispatcher
 from jaxmoe.model.experts import Experts
 from jaxmoe.model.layers import MLP
 from jaxmoe.model.router import Router, balance_loss, expert_counts, z_loss
-from jaxmoe.sharding import BATCH_AXES
-
-LOCAL_DISPATCHERS = ("dense", "grouped")
-
-
-def _dispatch(x_TxD, routing, weights, cfg: MoEConfig, mesh: Mesh | None):
-    """Local dispatchers run per batch shard (each device packs its own tokens);
-    the expert-parallel ones place themselves on the mesh."""
-    dispatcher = get_dispatcher(cfg.dispatcher)
-    if cfg.dispatcher not in LOCAL_DISPATCHERS:
-        return dispatcher(x_TxD, routing, weights, cfg, mesh)
-    if mesh is None or mesh.shape["data"] * mesh.shape["expert"] == 1:
-        # one batch shard: a shard_map would only wrap the expert weights and their
-        # gradients in copies at every layer
-        return dispatcher(x_TxD, routing, weights, cfg, None)
-
-    def local(x, r, w):
-        out = dispatcher(x, r, w, cfg, None)
-        return out._replace(dropped=jax.lax.psum(out.dropped, BATCH_AXES))
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(BATCH_AXES), P(BATCH_AXES), P()),
-                         out_specs=Dispatched(P(BATCH_AXES), P()))(x_TxD, routing, weights)
 
 
 class MoE(nnx.Module):
@@ -44,9 +21,12 @@ class MoE(nnx.Module):
             self.shared = MLP(d_model, cfg.shared_expert_hidden, std, out_std, rngs)
         self.cfg = cfg
 
-    def __call__(self, x_BxLxD: jax.Array, mesh: Mesh | None = None,
+    def __call__(self, x_BxLxD: jax.Array, layout=None,
                  jitter_key: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Returns the layer output and its router statistics (losses unscaled).
+
+        layout: where the layer runs (`jaxmoe.parallel.layout`); None runs the
+        local dispatchers on this call's tokens.
 
         aux: balance_loss (at the configured scope), z_loss, and sums over this
         call's tokens for the load metrics: counts_E (requested copies per expert,
@@ -58,12 +38,15 @@ class MoE(nnx.Module):
         x_TxD = x_BxLxD.reshape(B * L, D)
         routing = self.router(x_TxD, jitter_key)
         counts_E = expert_counts(routing.expert_TxK, cfg.num_experts)
-        out = _dispatch(x_TxD, routing, self.experts.weights(), cfg, mesh)
+        if layout is None:
+            out = get_dispatcher(cfg.dispatcher)(x_TxD, routing, self.experts.weights(), cfg)
+        else:
+            out = layout.dispatch(x_TxD, routing, self.experts.weights(), cfg)
         y_TxD = out.y_TxD
         if cfg.shared_expert_hidden:
             y_TxD = y_TxD + self.shared(x_TxD)
         aux = {
-            "balance_loss": balance_loss(routing, self._balance_groups(B, mesh)),
+            "balance_loss": self._balance_loss(routing, B, layout),
             "z_loss": z_loss(routing),
             "counts_E": counts_E,
             "dropped": out.dropped,
@@ -72,10 +55,11 @@ class MoE(nnx.Module):
         }
         return y_TxD.reshape(B, L, D).astype(x_BxLxD.dtype), aux
 
-    def _balance_groups(self, batch: int, mesh: Mesh | None) -> int:
+    def _balance_loss(self, routing, batch: int, layout) -> jax.Array:
         scope = self.cfg.balance_scope
         if scope == "sequence":
-            return batch
-        if scope == "microbatch" and mesh is not None:
-            return mesh.shape["data"] * mesh.shape["expert"]  # one per device's batch shard
-        return 1
+            return balance_loss(routing, batch)
+        if scope == "microbatch":  # one group per device's batch shard
+            return balance_loss(routing, 1 if layout is None else layout.batch_shards)
+        # the whole batch, whichever devices hold it
+        return balance_loss(routing, 1, None if layout is None else layout.batch_total)

@@ -61,22 +61,27 @@ def expert_counts(expert_TxK: jax.Array, num_experts: int) -> jax.Array:
     return jnp.zeros((num_experts,), jnp.int32).at[expert_TxK.reshape(-1)].add(1)
 
 
-def balance_loss(routing: Routing, num_groups: int = 1) -> jax.Array:
+def balance_loss(routing: Routing, num_groups: int = 1, total=None) -> jax.Array:
     """Switch load-balancing loss E * sum_i f_i * P_i, averaged over token groups.
 
     f_i: share of the group's token copies routed to expert i (hard counts);
     P_i: mean normalised score of expert i over the group's tokens. Groups are
     contiguous token blocks: one per device micro-batch, per sequence, or one
-    for the whole batch (the scope). 1.0 when routing is uniform.
+    for the whole batch (the scope). 1.0 when routing is uniform. `total` sums a
+    statistic over the devices that share the one group (a psum inside a
+    per-device program); None when this call holds the group's every token.
     """
     T, E = routing.probs_TxE.shape
     G = num_groups
     expert_GxN = routing.expert_TxK.reshape(G, -1)
     counts_GxE = jnp.zeros((G, E), jnp.float32).at[
         jnp.arange(G)[:, None], expert_GxN].add(1.0)
-    f_GxE = counts_GxE / expert_GxN.shape[1]
-    P_GxE = jnp.mean(routing.probs_TxE.reshape(G, T // G, E), axis=1)
-    return E * jnp.mean(jnp.sum(f_GxE * P_GxE, axis=-1))
+    prob_sum_GxE = jnp.sum(routing.probs_TxE.reshape(G, T // G, E), axis=1)
+    copies, tokens = jnp.float32(expert_GxN.shape[1]), jnp.float32(T // G)
+    if total is not None:
+        counts_GxE, prob_sum_GxE, copies, tokens = (
+            total(counts_GxE), total(prob_sum_GxE), total(copies), total(tokens))
+    return E * jnp.mean(jnp.sum((counts_GxE / copies) * (prob_sum_GxE / tokens), axis=-1))
 
 
 def z_loss(routing: Routing) -> jax.Array:

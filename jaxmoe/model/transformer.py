@@ -3,6 +3,10 @@
 Layers of one kind share a stack whose parameters carry a leading `layers`
 axis; `lax.scan` runs the stack, so compile time does not grow with depth.
 The first `num_dense_layers` layers form a dense-MLP stack, the rest a MoE stack.
+
+Nothing here knows the mesh: calls take a `layout` (`jaxmoe.parallel.layout`)
+that pins activations, dispatches tokens and runs the MoE stack, or None for
+one device.
 """
 
 from __future__ import annotations
@@ -14,14 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
 
 from jaxmoe.config import Config
-from jaxmoe.sharding import constrain_batch
 from jaxmoe.model.attention import Attention
 from jaxmoe.model.layers import MLP, RMSNorm, param
 from jaxmoe.model.moe import MoE
-from jaxmoe.parallel.pipeline import pipeline, stored_layer_order
 
 REMAT_POLICIES = {
     "full": None,  # recompute the whole layer in the backward pass
@@ -48,21 +49,42 @@ class Block(nnx.Module):
             self.mlp = MLP(m.d_model, m.mlp_hidden, std, out_std, rngs)
         self.use_moe = use_moe
 
-    def __call__(self, x_BxLxD, positions_BxL, mesh=None, jitter_key=None):
-        x_BxLxD = constrain_batch(x_BxLxD, mesh)
+    def __call__(self, x_BxLxD, positions_BxL, layout=None, jitter_key=None):
+        x_BxLxD = _constrain(x_BxLxD, layout)
         x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL)
-        x_BxLxD, aux = self.feed_forward(x_BxLxD, mesh, jitter_key)
-        return constrain_batch(x_BxLxD, mesh), aux
+        x_BxLxD, aux = self.feed_forward(x_BxLxD, layout, jitter_key)
+        return _constrain(x_BxLxD, layout), aux
 
-    def feed_forward(self, x_BxLxD, mesh=None, jitter_key=None):
+    def feed_forward(self, x_BxLxD, layout=None, jitter_key=None):
         """The block's second half, shared with KV-cache decoding: x + MLP or MoE of
         norm(x), and the MoE's aux ({} for a dense layer)."""
         h = self.mlp_norm(x_BxLxD)
         if self.use_moe:
-            y, aux = self.moe(h, mesh, jitter_key)
+            y, aux = self.moe(h, layout, jitter_key)
         else:
             y, aux = self.mlp(h), {}
         return x_BxLxD + y, aux
+
+
+def _constrain(x, layout):
+    return x if layout is None else layout.constrain_batch(x)
+
+
+def layer_order(num_layers: int, stages: int, virtual_stages: int) -> np.ndarray:
+    """Model-order index of each stored MoE layer slot (identity when S V = 1).
+
+    A pipeline stores its chunks device-major: S stages x V virtual stages x
+    Lm / (S V) layers, chunk v * S + s on stage s.
+    """
+    S, V = stages, virtual_stages
+    per = num_layers // (S * V)
+    s, v, j = np.meshgrid(np.arange(S), np.arange(V), np.arange(per), indexing="ij")
+    return ((v * S + s) * per + j).reshape(-1)
+
+
+def stored_layer_order(cfg: Config) -> np.ndarray:
+    """Model-order index of each stored slot of `cfg`'s MoE stack; pads are >= num_moe_layers."""
+    return layer_order(cfg.moe_layer_slots, max(cfg.mesh.stage, 1), cfg.pipeline.virtual_stages)
 
 
 def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs) -> Block:
@@ -78,13 +100,13 @@ def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs) -> Block:
     return make(rngs)
 
 
-def run_stack(stack: Block, x_BxLxD, positions_BxL, mesh, key, remat: str):
+def run_stack(stack: Block, x_BxLxD, positions_BxL, layout, key, remat: str):
     """Scans the stacked blocks over x; returns x and the per-layer aux, stacked."""
     graphdef, state = nnx.split(stack)
-    return scan_layers(graphdef, state, x_BxLxD, positions_BxL, mesh, key, remat)
+    return scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat)
 
 
-def scan_layers(graphdef, state, x_BxLxD, positions_BxL, mesh, key, remat: str, active_N=None):
+def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str, active_N=None):
     """lax.scan of one block over stacked layer states (leading axis = layers).
 
     active_N: per-layer flags; an inactive layer passes x through and reports zeros.
@@ -94,7 +116,7 @@ def scan_layers(graphdef, state, x_BxLxD, positions_BxL, mesh, key, remat: str, 
 
     def body(x, layer):
         layer_state, k, active = layer
-        y, aux = nnx.merge(graphdef, layer_state)(x, positions_BxL, mesh, k)
+        y, aux = nnx.merge(graphdef, layer_state)(x, positions_BxL, layout, k)
         if active is None:
             return y, aux
         return jnp.where(active, y, x), jax.tree.map(lambda a: jnp.where(active, a, 0), aux)
@@ -116,34 +138,32 @@ class Transformer(nnx.Module):
         self.head = param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.init_std)
         self.cfg = cfg
 
-    def __call__(self, tokens_BxL: jax.Array, *, mesh: Mesh | None = None,
+    def __call__(self, tokens_BxL: jax.Array, *, layout=None,
                  key: jax.Array | None = None, remat: str = "none") -> tuple[jax.Array, dict]:
         """Returns fp32 logits [B, L, V] and aux: per MoE layer router stats, stacked.
 
-        `key` enables training-time randomness (router jitter); `mesh` is needed
-        by the expert-parallel dispatchers only.
+        `key` enables training-time randomness (router jitter); `layout` is needed
+        by the expert-parallel dispatchers and pipelines only.
         """
-        x_BxLxD, aux = self.hidden(tokens_BxL, mesh=mesh, key=key, remat=remat)
-        return self.logits(x_BxLxD, mesh), aux
+        x_BxLxD, aux = self.hidden(tokens_BxL, layout=layout, key=key, remat=remat)
+        return self.logits(x_BxLxD, layout), aux
 
-    def hidden(self, tokens_BxL: jax.Array, *, mesh: Mesh | None = None,
+    def hidden(self, tokens_BxL: jax.Array, *, layout=None,
                key: jax.Array | None = None, remat: str = "none") -> tuple[jax.Array, dict]:
         """The last block's output [B, L, D] (before the final norm) and aux."""
         m = self.cfg.model
         B, L = tokens_BxL.shape
         positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
         x = self.embed[...][tokens_BxL].astype(jnp.dtype(m.compute_dtype))
-        x = constrain_batch(x, mesh)
+        x = _constrain(x, layout)
         aux = {}
         if m.num_dense_layers:
-            x, _ = run_stack(self.dense_layers, x, positions_BxL, mesh, None, remat)
-        pipe = self.cfg.pipeline
-        if self.cfg.num_moe_layers and mesh is not None and mesh.shape["stage"] > 1:
-            x, aux = pipeline(self.moe_layers, x, positions_BxL, mesh, key, remat,
-                              pipe.microbatches, pipe.virtual_stages, self.cfg.num_moe_layers)
+            x, _ = run_stack(self.dense_layers, x, positions_BxL, layout, None, remat)
+        if self.cfg.num_moe_layers and layout is not None:
+            x, aux = layout.run_moe_stack(self, x, positions_BxL, key, remat)
         elif self.cfg.num_moe_layers:
             graphdef, state = self.moe_stack()
-            x, aux = scan_layers(graphdef, state, x, positions_BxL, mesh, key, remat)
+            x, aux = scan_layers(graphdef, state, x, positions_BxL, None, key, remat)
         return x, aux
 
     def moe_stack(self) -> tuple[nnx.GraphDef, nnx.State]:
@@ -154,26 +174,26 @@ class Transformer(nnx.Module):
             state = jax.tree.map(lambda a: a[np.argsort(order)[:Lm]], state)
         return graphdef, state
 
-    def logits(self, x_BxLxD: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+    def logits(self, x_BxLxD: jax.Array, layout=None) -> jax.Array:
         """Final norm and LM head: fp32 logits [B, L, V]."""
         x_BxLxD = self.final_norm(x_BxLxD)
         logits = jnp.einsum("bld,dv->blv", x_BxLxD, self.head[...].astype(x_BxLxD.dtype))
-        return constrain_batch(logits, mesh).astype(jnp.float32)
+        return _constrain(logits, layout).astype(jnp.float32)
 
-    def cross_entropy(self, x_BxLxD: jax.Array, targets_BxL: jax.Array, mesh: Mesh | None = None,
+    def cross_entropy(self, x_BxLxD: jax.Array, targets_BxL: jax.Array, layout=None,
                       chunk: int = 0) -> jax.Array:
         """Mean next-token cross-entropy from `hidden`'s output. chunk > 0: the head
         runs `chunk` positions at a time, recomputed in the backward pass, so only
         [B, chunk, V] logits exist at once."""
         B, L, D = x_BxLxD.shape
         if not chunk or chunk >= L:
-            logits = self.logits(x_BxLxD, mesh)
+            logits = self.logits(x_BxLxD, layout)
             return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxL).mean()
 
         @jax.checkpoint
         def chunk_ce(total, xs):
             x_BxCxD, targets_BxC = xs
-            logits = self.logits(x_BxCxD, mesh)
+            logits = self.logits(x_BxCxD, layout)
             return total + optax.softmax_cross_entropy_with_integer_labels(
                 logits, targets_BxC).sum(), None
 

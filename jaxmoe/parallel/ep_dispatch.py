@@ -3,10 +3,12 @@
 Experts are split over the mesh axis "expert": R ranks with El = E / R local
 experts each, global expert e = rank * El + local_e. Tokens are split over the
 batch axes ("data", "expert"), so every device holds Tl = T / (data * R) tokens
-and their routing. Each dispatcher is one `shard_map` that, per device, moves the
-Tl * K routed copies to the ranks owning their experts, runs the local experts
-and brings the outputs back to be combined with the gates. The caller keeps the
-global view, so neither the router nor the expert weights change.
+and their routing. Each dispatcher is a per-device function (`PER_DEVICE`) that
+moves the Tl * K routed copies to the ranks owning their experts, runs the local
+experts and brings the outputs back to be combined with the gates. The ddp step
+calls it inside its own `shard_map`; for a caller with the global view
+(`EP_DISPATCHERS`) it is wrapped in one, so neither the router nor the expert
+weights change.
 
 - `alltoall`: capacity-bounded, fixed [R, El, C, D] buffers and `all_to_all`.
 - `allgather`: dropless; gathers the expert group's tokens, runs the local
@@ -31,8 +33,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.model.dispatch import (Dispatched, buffer_slots, capacity, combine_rows,
-                                   gather_rows, register)
+from jaxmoe.model.dispatch import Dispatched, buffer_slots, capacity, combine_rows, gather_rows
 from jaxmoe.model.experts import ExpertWeights, expert_ffn
 from jaxmoe.model.router import Routing
 from jaxmoe.ops.mx import mx_ragged_linear
@@ -56,18 +57,34 @@ def _ep_layout(cfg: MoEConfig, mesh: Mesh | None, name: str) -> tuple[int, int]:
     return R, cfg.num_experts // R
 
 
-def _ep_map(local_fn, mesh: Mesh, out_specs):
-    return jax.shard_map(local_fn, mesh=mesh, in_specs=_IN_SPECS, out_specs=out_specs,
-                         check_vma=True)
+def _global(name: str):
+    """The per-device dispatcher `name` for a caller holding global arrays: one
+    `shard_map` over the mesh, drops summed over the batch."""
+    per_device = PER_DEVICE[name]
+
+    def dispatcher(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
+                   mesh: Mesh | None = None) -> Dispatched:
+        R, _ = _ep_layout(cfg, mesh, name)
+        if name == "ragged" and mesh.devices.flat[0].platform == "cpu":
+            install_cpu_lowering()
+
+        def local(x_TlxD, expert_TlxK, gate_TlxK, w_local):
+            out = per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local, cfg, R)
+            return out._replace(dropped=lax.psum(out.dropped, BATCH_AXES))
+
+        return jax.shard_map(local, mesh=mesh, in_specs=_IN_SPECS,
+                             out_specs=Dispatched(TOKENS, P()), check_vma=True)(
+            x_TxD, routing.expert_TxK, routing.gate_TxK, w)
+
+    return dispatcher
 
 
 # ------------------------------------------------------------------ alltoall
 
 
-@register("alltoall")
-def alltoall_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
-                      mesh: Mesh | None = None) -> Dispatched:
-    """Capacity-bounded EP with row-wise placement.
+def alltoall_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights, cfg: MoEConfig,
+                        R: int) -> Dispatched:
+    """Capacity-bounded EP with row-wise placement; `dropped` counts this device's.
 
     Each copy is written straight into its slot [dest rank, local expert, row] of
     the send buffer. Since e = rank * El + local_e, that is the local `grouped`
@@ -76,37 +93,28 @@ def alltoall_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
     capacity per (source device, expert), so drops are decided, and counted, at
     the source before anything moves.
     """
-    R, El = _ep_layout(cfg, mesh, "alltoall")
     E, K = cfg.num_experts, cfg.top_k
-
-    def local(x_TlxD, expert_TlxK, gate_TlxK, w_local):
-        Tl, D = x_TlxD.shape
-        C = capacity(Tl, K, E, cfg.capacity_factor)
-        expert_N = expert_TlxK.T.reshape(-1)  # k-major, like grouped: first choices keep priority
-        token_N = jnp.tile(jnp.arange(Tl, dtype=jnp.int32), K)
-        slot_N, kept_N = buffer_slots(expert_N, E, C)
-        send_RxElxCxD = gather_rows(x_TlxD, slot_N, token_N, E * C).reshape(R, El, C, D)
-        # recv[r] holds what source rank r sent for my El experts.
-        recv_RxElxCxD = lax.all_to_all(send_RxElxCxD, "expert", 0, 0, tiled=True)
-        x_ElxRCxD = recv_RxElxCxD.transpose(1, 0, 2, 3).reshape(El, R * C, D)
-        y_ElxRxCxD = expert_ffn(w_local, x_ElxRCxD, cfg).reshape(El, R, C, D)
-        back_RxElxCxD = lax.all_to_all(y_ElxRxCxD.transpose(1, 0, 2, 3), "expert", 0, 0,
-                                       tiled=True)
-        y_TlxD = combine_rows(back_RxElxCxD.reshape(E * C, D), slot_N, gate_TlxK.T)
-        dropped = lax.psum(jnp.sum(~kept_N, dtype=jnp.int32), BATCH_AXES)
-        return y_TlxD, dropped
-
-    y_TxD, dropped = _ep_map(local, mesh, (TOKENS, P()))(
-        x_TxD, routing.expert_TxK, routing.gate_TxK, w)
-    return Dispatched(y_TxD, dropped)
+    El = E // R
+    Tl, D = x_TlxD.shape
+    C = capacity(Tl, K, E, cfg.capacity_factor)
+    expert_N = expert_TlxK.T.reshape(-1)  # k-major, like grouped: first choices keep priority
+    token_N = jnp.tile(jnp.arange(Tl, dtype=jnp.int32), K)
+    slot_N, kept_N = buffer_slots(expert_N, E, C)
+    send_RxElxCxD = gather_rows(x_TlxD, slot_N, token_N, E * C).reshape(R, El, C, D)
+    # recv[r] holds what source rank r sent for my El experts.
+    recv_RxElxCxD = lax.all_to_all(send_RxElxCxD, "expert", 0, 0, tiled=True)
+    x_ElxRCxD = recv_RxElxCxD.transpose(1, 0, 2, 3).reshape(El, R * C, D)
+    y_ElxRxCxD = expert_ffn(w_local, x_ElxRCxD, cfg).reshape(El, R, C, D)
+    back_RxElxCxD = lax.all_to_all(y_ElxRxCxD.transpose(1, 0, 2, 3), "expert", 0, 0, tiled=True)
+    y_TlxD = combine_rows(back_RxElxCxD.reshape(E * C, D), slot_N, gate_TlxK.T)
+    return Dispatched(y_TlxD, jnp.sum(~kept_N, dtype=jnp.int32))
 
 
 # ------------------------------------------------------------------ allgather
 
 
-@register("allgather")
-def allgather_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
-                       mesh: Mesh | None = None) -> Dispatched:
+def allgather_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights, cfg: MoEConfig,
+                         R: int) -> Dispatched:
     """Dropless EP without a data-dependent exchange: gather, compute local, reduce-scatter.
 
     Every device sees the expert group's Tg = R * Tl tokens and runs its El
@@ -115,21 +123,17 @@ def allgather_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig
     same El * Tg rows plus a gather, so dense is the cheaper form. Each token's
     output is then the sum over ranks, which `psum_scatter` delivers to its owner.
     """
-    R, El = _ep_layout(cfg, mesh, "allgather")
-
-    def local(x_TlxD, expert_TlxK, gate_TlxK, w_local):
-        x_TgxD = lax.all_gather(x_TlxD, "expert", tiled=True)
-        expert_TgxK = lax.all_gather(expert_TlxK, "expert", tiled=True)
-        gate_TgxK = lax.all_gather(gate_TlxK, "expert", tiled=True)
-        # Local expert index; other ranks' experts fall outside [0, El) and one-hot to zero.
-        local_TgxK = expert_TgxK - lax.axis_index("expert") * El
-        gates_TgxEl = jnp.einsum("tk,tke->te", gate_TgxK, jax.nn.one_hot(local_TgxK, El))
-        y_ElxTgxD = expert_ffn(w_local, jnp.broadcast_to(x_TgxD, (El,) + x_TgxD.shape), cfg)
-        y_TgxD = jnp.einsum("etd,te->td", y_ElxTgxD, gates_TgxEl.astype(x_TgxD.dtype))
-        return lax.psum_scatter(y_TgxD, "expert", scatter_dimension=0, tiled=True)
-
-    y_TxD = _ep_map(local, mesh, TOKENS)(x_TxD, routing.expert_TxK, routing.gate_TxK, w)
-    return Dispatched(y_TxD, jnp.zeros((), jnp.int32))
+    El = cfg.num_experts // R
+    x_TgxD = lax.all_gather(x_TlxD, "expert", tiled=True)
+    expert_TgxK = lax.all_gather(expert_TlxK, "expert", tiled=True)
+    gate_TgxK = lax.all_gather(gate_TlxK, "expert", tiled=True)
+    # Local expert index; other ranks' experts fall outside [0, El) and one-hot to zero.
+    local_TgxK = expert_TgxK - lax.axis_index("expert") * El
+    gates_TgxEl = jnp.einsum("tk,tke->te", gate_TgxK, jax.nn.one_hot(local_TgxK, El))
+    y_ElxTgxD = expert_ffn(w_local, jnp.broadcast_to(x_TgxD, (El,) + x_TgxD.shape), cfg)
+    y_TgxD = jnp.einsum("etd,te->td", y_ElxTgxD, gates_TgxEl.astype(x_TgxD.dtype))
+    y_TlxD = lax.psum_scatter(y_TgxD, "expert", scatter_dimension=0, tiled=True)
+    return Dispatched(y_TlxD, jnp.zeros((), jnp.int32))
 
 
 # ------------------------------------------------------------------ ragged
@@ -187,9 +191,8 @@ def ragged_ffn(w: ExpertWeights, x_MxD: jax.Array, group_sizes_El: jax.Array,
     return matmul(jax.nn.silu(gate) * up, w.w_down_ExFxD, group_sizes_El)
 
 
-@register("ragged")
-def ragged_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
-                    mesh: Mesh | None = None) -> Dispatched:
+def ragged_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights, cfg: MoEConfig,
+                      R: int) -> Dispatched:
     """Dropless EP that moves only the routed rows.
 
     Copies are sorted by expert (hence by destination rank), every rank's
@@ -197,32 +200,32 @@ def ragged_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
     exchange offsets from them (`ragged_plan`). The receive buffer has the static
     worst-case size R * Tl * K rows: every source could route every copy here.
     On a CPU mesh the exchange lowers to `ragged_cpu`'s padded all_to_all (XLA:CPU
-    has no ragged-all-to-all); GPU programs keep the real op.
+    has no ragged-all-to-all; the caller installs it); GPU programs keep the real op.
     """
-    R, El = _ep_layout(cfg, mesh, "ragged")
     E, K = cfg.num_experts, cfg.top_k
-    if mesh.devices.flat[0].platform == "cpu":
-        install_cpu_lowering()
+    El = E // R
+    Tl, D = x_TlxD.shape
+    N = Tl * K
+    expert_N = expert_TlxK.T.reshape(-1)
+    token_N = jnp.tile(jnp.arange(Tl, dtype=jnp.int32), K)
+    order_N = jnp.argsort(expert_N, stable=True)
+    slot_N = jnp.zeros((N,), jnp.int32).at[order_N].set(jnp.arange(N, dtype=jnp.int32))
+    counts_E = jnp.zeros((E,), jnp.int32).at[expert_N].add(1)
+    plan = ragged_plan(lax.all_gather(counts_E, "expert"), lax.axis_index("expert"), El)
+    send_NxD = gather_rows(x_TlxD, slot_N, token_N, N)
+    # The exchange's result has its output buffer's type, so the buffers are
+    # zeros_like the rows sent (device-varying): an invariant one would make
+    # autodiff sum the result's cotangent over the devices.
+    recv_MxD = lax.ragged_all_to_all(send_NxD, jnp.zeros_like(send_NxD, shape=(R * N, D)),
+                                     *plan.forward, axis_name="expert")
+    y_MxD = ragged_ffn(w_local, recv_MxD, plan.group_sizes_El, cfg)
+    back_NxD = lax.ragged_all_to_all(y_MxD, jnp.zeros_like(y_MxD, shape=(N, D)),
+                                     *plan.backward, axis_name="expert")
+    return Dispatched(combine_rows(back_NxD, slot_N, gate_TlxK.T), jnp.zeros((), jnp.int32))
 
-    def local(x_TlxD, expert_TlxK, gate_TlxK, w_local):
-        Tl, D = x_TlxD.shape
-        N = Tl * K
-        expert_N = expert_TlxK.T.reshape(-1)
-        token_N = jnp.tile(jnp.arange(Tl, dtype=jnp.int32), K)
-        order_N = jnp.argsort(expert_N, stable=True)
-        slot_N = jnp.zeros((N,), jnp.int32).at[order_N].set(jnp.arange(N, dtype=jnp.int32))
-        counts_E = jnp.zeros((E,), jnp.int32).at[expert_N].add(1)
-        plan = ragged_plan(lax.all_gather(counts_E, "expert"), lax.axis_index("expert"), El)
-        send_NxD = gather_rows(x_TlxD, slot_N, token_N, N)
-        # The exchange's result has its output buffer's type, so the buffers are
-        # zeros_like the rows sent (device-varying): an invariant one would make
-        # autodiff sum the result's cotangent over the devices.
-        recv_MxD = lax.ragged_all_to_all(send_NxD, jnp.zeros_like(send_NxD, shape=(R * N, D)),
-                                         *plan.forward, axis_name="expert")
-        y_MxD = ragged_ffn(w_local, recv_MxD, plan.group_sizes_El, cfg)
-        back_NxD = lax.ragged_all_to_all(y_MxD, jnp.zeros_like(y_MxD, shape=(N, D)),
-                                         *plan.backward, axis_name="expert")
-        return combine_rows(back_NxD, slot_N, gate_TlxK.T)
 
-    y_TxD = _ep_map(local, mesh, TOKENS)(x_TxD, routing.expert_TxK, routing.gate_TxK, w)
-    return Dispatched(y_TxD, jnp.zeros((), jnp.int32))
+# ------------------------------------------------------------------ registry
+
+PER_DEVICE = {"alltoall": alltoall_per_device, "allgather": allgather_per_device,
+              "ragged": ragged_per_device}
+EP_DISPATCHERS = {name: _global(name) for name in PER_DEVICE}

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxmoe.model.transformer import REMAT_POLICIES, layer_order, scan_layers
 from jaxmoe.sharding import BATCH_AXES
 
 
@@ -39,28 +39,15 @@ def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> 
     return (stages - 1) / (virtual_stages * microbatches + stages - 1)
 
 
-def layer_order(num_layers: int, stages: int, virtual_stages: int) -> np.ndarray:
-    """Model-order index of each stored MoE layer slot (identity when V = 1)."""
-    S, V = stages, virtual_stages
-    per = num_layers // (S * V)
-    s, v, j = np.meshgrid(np.arange(S), np.arange(V), np.arange(per), indexing="ij")
-    return ((v * S + s) * per + j).reshape(-1)
-
-
-def stored_layer_order(cfg) -> np.ndarray:
-    """Model-order index of each stored slot of `cfg`'s MoE stack; pads are >= num_moe_layers."""
-    return layer_order(cfg.moe_layer_slots, max(cfg.mesh.stage, 1), cfg.pipeline.virtual_stages)
-
-
-def pipeline(stack, x_BxLxD, positions_BxL, mesh: Mesh, key, remat: str, microbatches: int,
+def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatches: int,
              virtual_stages: int = 1, num_layers: int | None = None):
     """Runs the stacked MoE layers as S pipeline stages; returns (x, aux per layer).
 
     aux comes back in model layer order. num_layers: the real layers; stored slots
-    past it (in model order) pass activations through.
+    past it (in model order) pass activations through. layout: the auto-sharded
+    layout whose mesh has the `stage` axis.
     """
-    from jaxmoe.model.transformer import REMAT_POLICIES, scan_layers
-
+    mesh = layout.mesh
     S, M, V = mesh.shape["stage"], microbatches, virtual_stages
     graphdef, state = nnx.split(stack)
     Lm = jax.tree.leaves(state)[0].shape[0]
@@ -77,7 +64,7 @@ def pipeline(stack, x_BxLxD, positions_BxL, mesh: Mesh, key, remat: str, microba
     def stage_fn(chunks_V, active_Vxper, round_, x_bxLxD, k):
         pick = lambda a: jax.lax.dynamic_index_in_dim(a, round_, keepdims=False)  # noqa: E731
         return scan_layers(graphdef, jax.tree.map(pick, chunks_V), x_bxLxD, positions_bxL,
-                           mesh, k, remat, active_N=None if real == Lm else pick(active_Vxper))
+                           layout, k, remat, active_N=None if real == Lm else pick(active_Vxper))
 
     run_stages = jax.vmap(stage_fn, in_axes=(0, 0, 0, 0, 0 if key is not None else None),
                           spmd_axis_name="stage")

@@ -1,0 +1,120 @@
+"""Where the model runs: the one object that turns a mesh into what the model does.
+
+The model never sees the mesh. It takes a layout (or None: one device, local
+dispatchers) and asks it four things: pin activations to the batch split, run
+an MoE layer's dispatch, total a per-shard router statistic over the batch, and
+run the stacked MoE layers (a scan, or a pipeline over `stage`).
+
+- `GlobalLayout`: the model sees global arrays and XLA partitions the program
+  (fsdp, eval, the pure-function API with `mesh=`). Expert-parallel dispatchers
+  open their own `shard_map`.
+- `DeviceLayout`: the model runs inside the ddp step's `shard_map` on one
+  device's rows, its dense replicas and its slice of the experts; dispatchers
+  are called as per-device functions whose collectives name the `expert` axis.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxmoe import sharding
+from jaxmoe.config import Config, ConfigError, MoEConfig
+from jaxmoe.model.dispatch import LOCAL_DISPATCHERS, Dispatched, get_dispatcher
+from jaxmoe.model.transformer import scan_layers
+from jaxmoe.parallel import ep_dispatch
+from jaxmoe.parallel.pipeline import pipeline
+from jaxmoe.parallel.ragged_cpu import install_cpu_lowering
+from jaxmoe.sharding import BATCH_AXES
+
+
+def dispatch_on_mesh(x_TxD, routing, weights, cfg: MoEConfig, mesh: Mesh | None) -> Dispatched:
+    """`cfg.dispatcher` for a caller holding global arrays (None: one device)."""
+    if cfg.dispatcher not in LOCAL_DISPATCHERS:
+        if mesh is None:
+            raise ValueError(f"moe.dispatcher: {cfg.dispatcher!r} is expert-parallel and needs "
+                             "a device mesh (got mesh=None); use 'grouped' or 'dense' without one")
+        return ep_dispatch.EP_DISPATCHERS[cfg.dispatcher](x_TxD, routing, weights, cfg, mesh)
+    dispatcher = get_dispatcher(cfg.dispatcher)
+    if mesh is None or mesh.shape["data"] * mesh.shape["expert"] == 1:
+        # one batch shard: a shard_map would only wrap the expert weights and
+        # their gradients in copies at every layer
+        return dispatcher(x_TxD, routing, weights, cfg)
+
+    def local(x, r, w):  # each device packs its own tokens
+        out = dispatcher(x, r, w, cfg)
+        return out._replace(dropped=lax.psum(out.dropped, BATCH_AXES))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(BATCH_AXES), P(BATCH_AXES), P()),
+                         out_specs=Dispatched(P(BATCH_AXES), P()))(x_TxD, routing, weights)
+
+
+class GlobalLayout:
+    """The auto-sharded program's view: global arrays, placed by sharding rules."""
+
+    def __init__(self, mesh: Mesh, cfg: Config | None = None):
+        """cfg: the model's config, needed to run its MoE stack (a single MoE layer
+        needs only the mesh)."""
+        self.cfg, self.mesh = cfg, mesh
+        self.batch_shards = mesh.shape["data"] * mesh.shape["expert"]
+
+    def constrain_batch(self, x: jax.Array) -> jax.Array:
+        return sharding.constrain_batch(x, self.mesh)
+
+    def batch_total(self, x: jax.Array) -> jax.Array:
+        """A statistic summed over this program's tokens is already global."""
+        return x
+
+    def dispatch(self, x_TxD, routing, weights, cfg: MoEConfig) -> Dispatched:
+        return dispatch_on_mesh(x_TxD, routing, weights, cfg, self.mesh)
+
+    def run_moe_stack(self, model, x_BxLxD, positions_BxL, key, remat: str):
+        """`model`'s MoE layers over x: a pipeline of the stored stack when `stage` > 1,
+        else a scan in model order. Returns x and the per-layer aux in model order."""
+        if self.mesh.shape["stage"] > 1:
+            pipe = self.cfg.pipeline
+            return pipeline(model.moe_layers, x_BxLxD, positions_BxL, self, key, remat,
+                            pipe.microbatches, pipe.virtual_stages, self.cfg.num_moe_layers)
+        graphdef, state = model.moe_stack()
+        return scan_layers(graphdef, state, x_BxLxD, positions_BxL, self, key, remat)
+
+
+class DeviceLayout(GlobalLayout):
+    """Inside a `shard_map` over every mesh axis: one device's share of everything."""
+
+    def __init__(self, mesh: Mesh, cfg: Config):
+        super().__init__(mesh, cfg)
+        if cfg.num_moe_layers and cfg.moe.dispatcher == "ragged" \
+                and mesh.devices.flat[0].platform == "cpu":
+            install_cpu_lowering()
+        if mesh.shape["stage"] > 1:
+            raise ConfigError("mesh.stage: the per-device ddp step runs without pipeline "
+                              "stages; pipelines run in the auto-sharded step")
+        if cfg.num_moe_layers and cfg.moe.dispatcher in LOCAL_DISPATCHERS \
+                and mesh.shape["expert"] > 1:
+            raise ConfigError(f"moe.dispatcher: {cfg.moe.dispatcher!r} runs every expert on "
+                              f"each device, but mesh.expert={mesh.shape['expert']} splits "
+                              "them; use alltoall, allgather or ragged")
+        self.batch_shards = 1  # a device's rows are one shard
+
+    def constrain_batch(self, x: jax.Array) -> jax.Array:
+        return x
+
+    def batch_total(self, x: jax.Array) -> jax.Array:
+        return lax.psum(x, BATCH_AXES)
+
+    def dispatch(self, x_TxD, routing, weights, cfg: MoEConfig) -> Dispatched:
+        if cfg.dispatcher in LOCAL_DISPATCHERS:
+            return get_dispatcher(cfg.dispatcher)(x_TxD, routing, weights, cfg)
+        return ep_dispatch.PER_DEVICE[cfg.dispatcher](
+            x_TxD, routing.expert_TxK, routing.gate_TxK, weights, cfg, self.mesh.shape["expert"])
+
+    def run_moe_stack(self, model, x_BxLxD, positions_BxL, key, remat: str):
+        graphdef, state = model.moe_stack()
+        return scan_layers(graphdef, state, x_BxLxD, positions_BxL, self, key, remat)
+
+
+def layout_for(cfg: Config, mesh: Mesh | None) -> GlobalLayout | None:
+    """The auto-sharded layout of `mesh` (None stays None: one device)."""
+    return None if mesh is None else GlobalLayout(mesh, cfg)
