@@ -69,17 +69,13 @@ def state_shardings(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation,
     """
     rules = sharding.RULES[cfg.mesh.parallelism]
     param_specs = compute_param_specs(cfg, abs_params)
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-
-    def opt_spec(p, spec):
-        return sharding.zero1_spec(spec, p.shape, mesh) if cfg.mesh.zero1 else spec
-
+    zero1 = optimizer_param_specs(cfg, mesh, abs_params, param_specs)
     abs_opt = jax.eval_shape(tx.init, abs_params)
     opt_specs = optax.tree_map_params(
-        tx, opt_spec, abs_opt, param_specs,
-        transform_non_params=lambda _: P(), is_leaf=is_spec)
+        tx, lambda _, spec: spec, abs_opt, zero1,
+        transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
     if _sharded_master(cfg):
-        param_specs = jax.tree.map(opt_spec, abs_params, param_specs, is_leaf=is_spec)
+        param_specs = zero1
     specs = TrainState(P(), param_specs, sharding.state_specs(abs_buffers, rules), opt_specs,
                        P(), P())
     return sharding.named(mesh, specs)
@@ -90,10 +86,10 @@ def compute_param_specs(cfg: Config, abs_params: nnx.State) -> nnx.State:
     return sharding.state_specs(abs_params, sharding.RULES[cfg.mesh.parallelism])
 
 
-def optimizer_param_specs(cfg: Config, mesh: Mesh) -> nnx.State:
-    """Where each parameter's optimizer state lives: its ZeRO-1 split when on."""
-    abs_params = abstract_model(cfg)[1]
-    use = compute_param_specs(cfg, abs_params)
+def optimizer_param_specs(cfg: Config, mesh: Mesh, abs_params: nnx.State,
+                          use: nnx.State) -> nnx.State:
+    """Where each parameter's optimizer state lives (`use`: where the parameter is
+    used): its ZeRO-1 split when on."""
     if not cfg.mesh.zero1:
         return use
     return jax.tree.map(lambda p, s: sharding.zero1_spec(s, p.shape, mesh), abs_params, use,
@@ -224,18 +220,18 @@ def auto_train_step(cfg: Config, layout: GlobalLayout, loss_fn: Callable, tx, lr
     return train_step
 
 
-def ddp_train_step(cfg: Config, layout: DeviceLayout, specs: TrainState, loss_fn: Callable, tx,
-                   lr_at) -> Callable:
+def ddp_train_step(cfg: Config, layout: DeviceLayout, specs: TrainState, use_specs: nnx.State,
+                   loss_fn: Callable, tx, lr_at) -> Callable:
     """The ddp train step as one per-device program over the whole mesh.
 
     Each device runs the model on its own rows with its dense replicas and its
     experts; gradients accumulate locally over the micro-batches and are reduced
     once at the end, into the ZeRO-1 shards (`jaxmoe.parallel.ddp`), where the
-    optimizer updates them; the new shards are gathered once.
+    optimizer updates them; the new shards are gathered once. `specs`: the state's
+    PartitionSpecs; `use_specs`: where the parameters are used.
     """
     mesh = layout.mesh
-    plans = ddp.reductions(compute_param_specs(cfg, abstract_model(cfg)[1]),
-                           optimizer_param_specs(cfg, mesh), mesh)
+    plans = ddp.reductions(use_specs, specs.opt_state.mu, mesh)
     sharded_master = _sharded_master(cfg)
     n_batch = mesh.shape["data"] * mesh.shape["expert"]
     M = cfg.train.microbatches
@@ -327,7 +323,7 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
                              is_leaf=lambda x: isinstance(x, NamedSharding))
         device_layout = DeviceLayout(mesh, cfg)
         local_loss = make_loss_fn(cfg, graphdef, device_layout, lambda p: p, loss_hook)
-        train_step = ddp_train_step(cfg, device_layout, specs, local_loss, tx, lr_at)
+        train_step = ddp_train_step(cfg, device_layout, specs, use_specs, local_loss, tx, lr_at)
     else:
         train_step = auto_train_step(cfg, layout, global_loss, tx, lr_at)
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxmoe.checkpoint import abstract_target
 from jaxmoe.config import ConfigError, MeshConfig, config_from_dict
 from jaxmoe.parallel.collectives import compiled_collective_bytes, compiled_collectives, totals
 from jaxmoe.sharding import fraction_per_device, make_mesh, per_device_shapes
@@ -138,9 +139,7 @@ def test_bf16_ddp_step_equals_single_device(mesh, dispatcher):
 def _compiled_step(mesh, microbatches, dispatcher="alltoall"):
     cfg = _cfg(mesh, microbatches, dispatcher=dispatcher, balance_scope="microbatch")
     steps = build_steps(cfg, make_mesh(cfg.mesh))
-    state = jax.eval_shape(steps.init, jax.random.PRNGKey(0))
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         state, steps.state_shardings)
+    state = abstract_target(steps)
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, 17), jnp.int32,
                                  sharding=steps.batch_sharding)
     return totals(compiled_collectives(steps.train_step.lower(state, batch).compile()))

@@ -57,6 +57,13 @@ def _ep_layout(cfg: MoEConfig, mesh: Mesh | None, name: str) -> tuple[int, int]:
     return R, cfg.num_experts // R
 
 
+def prepare(name: str, mesh: Mesh) -> None:
+    """What dispatcher `name` needs before it is traced on `mesh`: on a CPU mesh,
+    `ragged`'s padded stand-in exchange (see `ragged_cpu`)."""
+    if name == "ragged" and mesh.devices.flat[0].platform == "cpu":
+        install_cpu_lowering()
+
+
 def _global(name: str):
     """The per-device dispatcher `name` for a caller holding global arrays: one
     `shard_map` over the mesh, drops summed over the batch."""
@@ -65,8 +72,7 @@ def _global(name: str):
     def dispatcher(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
                    mesh: Mesh | None = None) -> Dispatched:
         R, _ = _ep_layout(cfg, mesh, name)
-        if name == "ragged" and mesh.devices.flat[0].platform == "cpu":
-            install_cpu_lowering()
+        prepare(name, mesh)
 
         def local(x_TlxD, expert_TlxK, gate_TlxK, w_local):
             out = per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local, cfg, R)

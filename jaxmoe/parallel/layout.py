@@ -25,7 +25,6 @@ from jaxmoe.model.dispatch import LOCAL_DISPATCHERS, Dispatched, get_dispatcher
 from jaxmoe.model.transformer import scan_layers
 from jaxmoe.parallel import ep_dispatch
 from jaxmoe.parallel.pipeline import pipeline
-from jaxmoe.parallel.ragged_cpu import install_cpu_lowering
 from jaxmoe.sharding import BATCH_AXES
 
 
@@ -85,9 +84,8 @@ class DeviceLayout(GlobalLayout):
 
     def __init__(self, mesh: Mesh, cfg: Config):
         super().__init__(mesh, cfg)
-        if cfg.num_moe_layers and cfg.moe.dispatcher == "ragged" \
-                and mesh.devices.flat[0].platform == "cpu":
-            install_cpu_lowering()
+        if cfg.num_moe_layers:
+            ep_dispatch.prepare(cfg.moe.dispatcher, mesh)
         if mesh.shape["stage"] > 1:
             raise ConfigError("mesh.stage: the per-device ddp step runs without pipeline "
                               "stages; pipelines run in the auto-sharded step")
