@@ -20,3 +20,13 @@ def cpu_devices_env(env: Mapping[str, str], count: int, *, force_cpu: bool = Tru
     if force_cpu or "JAX_PLATFORMS" not in env:
         out["JAX_PLATFORMS"] = "cpu"
     return out
+
+
+def without_fake_devices(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of `env` as a user's shell would start JAX: no fake device count and no
+    platform pin, other XLA flags kept."""
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(FLAG)]
+    out = {k: v for k, v in env.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    if flags:
+        out["XLA_FLAGS"] = " ".join(flags)
+    return out

@@ -13,6 +13,13 @@ from jaxmoe.fake_devices import cpu_devices_env
 
 os.environ.update(cpu_devices_env(os.environ, 8, force_cpu=False))
 
+# XLA:CPU spends about half of a toy program's compile time in LLVM's optimisation
+# passes (a 3-step tiny run: 23 s at the default level, 12.6 s at 0), and the suite's
+# shapes are too small for optimised code to pay that back. HLO passes still run, so
+# the programs whose collectives and buffers the tests read are the ones users get.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
 # Compiling dominates the suite's time, and many tests (and the training processes
 # they start, which inherit the environment) compile the same programs. A cache set
 # by the caller is kept; otherwise the session's own goes when it ends.

@@ -12,6 +12,8 @@ import jax
 import numpy as np
 import pytest
 
+from jaxmoe.fake_devices import without_fake_devices
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("gpu_checks", ROOT / "benchmarks" / "gpu_checks.py")
 gc = sys.modules["gpu_checks"] = importlib.util.module_from_spec(_spec)
@@ -77,7 +79,7 @@ def test_main_reports_a_line_and_exits_on_failure(tmp_path, monkeypatch, capsys)
 def test_gpu_sh_smoke_fails_when_a_check_is_made_to_fail(tmp_path):
     """The script end to end on a few quick checks and one benchmark (the whole smoke
     run takes minutes): one spoiled check makes it exit non-zero, the rest still run."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = without_fake_devices(os.environ)
     env |= {"JAXMOE_GPU_SMOKE": "1", "JAXMOE_GPU_FAIL": "ragged_plan",
             "JAXMOE_GPU_ONLY": "ragged_plan mxfp8_native overlap bench_moe"}
     proc = subprocess.run(["bash", "benchmarks/gpu.sh", str(tmp_path)], cwd=ROOT, env=env,

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxmoe.fake_devices import without_fake_devices
+
 ROOT = Path(__file__).parent.parent
 TOY_MODEL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
              "model.head_dim=16", "model.mlp_hidden=64", "moe.expert_hidden=32",
@@ -66,7 +68,7 @@ def test_every_command_is_either_run_or_named_as_cluster_only():
 def test_readme_commands_run_as_written(tmp_path):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     # as a user's shell would be: one CPU device unless the command asks for more
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = without_fake_devices(os.environ)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     ran = []
     for command in readme_commands():
