@@ -159,7 +159,7 @@ def local_config(config: Config) -> Config:
     """The same model on one device, layers in model order: expert-parallel
     dispatchers become `grouped` (same capacity rule, per device)."""
     overrides = ["mesh.data=1", "mesh.expert=1", "mesh.stage=1", "pipeline.schedule=gpipe",
-                 "pipeline.virtual_stages=1", "pipeline.microbatches=1"]
+                 "pipeline.virtual_stages=1", "pipeline.stage_microbatches=1"]
     if config.moe.dispatcher not in LOCAL_DISPATCHERS:
         overrides.append("moe.dispatcher=grouped")
     return config_from_dict(config.to_dict(), overrides)
@@ -175,9 +175,4 @@ def load_params(path: str | Path, step: int | None = None) -> tuple[Params, Conf
     """
     directory, found = checkpoint.locate(path)
     weights, saved = checkpoint.restore_weights(directory, found if step is None else step)
-    params = weights.to_pure_dict()
-    order = stored_layer_order(saved)
-    if "moe_layers" in params and not np.array_equal(order, np.arange(saved.num_moe_layers)):
-        model_order = np.argsort(order)[: saved.num_moe_layers]  # drops padding slots
-        params["moe_layers"] = jax.tree.map(lambda a: a[model_order], params["moe_layers"])
-    return jax.device_get(params), local_config(saved)
+    return jax.device_get(weights.to_pure_dict()), local_config(saved)

@@ -187,9 +187,15 @@ PARALLEL_CASES = {  # (name, overrides): the mission's design against the FSDP i
 }
 
 
+def _set_arg(p: argparse.ArgumentParser, after: str) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"config overrides, applied after {after}")
+
+
 def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/cpu8_ep.yaml")
     p.add_argument("--repeats", type=int, default=5)
+    _set_arg(p, "the config (a case's mesh and dispatcher win over them)")
 
 
 class StepCase(NamedTuple):
@@ -230,12 +236,12 @@ def bench_parallel(a: argparse.Namespace) -> dict:
 
     runs, traffic = {}, {}
     for name, overrides in PARALLEL_CASES.items():
-        case = _train_step_case(a.config, overrides)
+        case = _train_step_case(a.config, a.set + overrides)
         runs[name], traffic[name] = case.run, totals(compiled_collectives(case.compile()))
     secs = time_round_robin(runs, a.repeats)
     first = next(iter(secs))
     reductions = ("all-reduce", "reduce-scatter")
-    result = {"config": a.config, "cases": {
+    result = {"config": a.config, "overrides": a.set, "cases": {
         name: {"step_s": secs[name], "vs_" + first: secs[name] / secs[first],
                "collective_bytes": {k: t.bytes for k, t in traffic[name].items()},
                "collective_total": sum(t.bytes for t in traffic[name].values()),
@@ -263,10 +269,11 @@ PIPELINE_LAYOUTS = {"S=1": (1, 1), "S=2": (2, 1), "S=4": (4, 1), "S=2 V=2": (2, 
 
 def _pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/cpu8_ep.yaml")
-    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--stage-microbatches", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--layouts", nargs="+", choices=list(PIPELINE_LAYOUTS),
                    default=list(PIPELINE_LAYOUTS), help="which layouts to time (S=1 always runs)")
+    _set_arg(p, "the config (a layout's mesh and pipeline keys win over them)")
 
 
 @subcommand("pipeline", _pipeline_args,
@@ -274,19 +281,19 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
 def bench_pipeline(a: argparse.Namespace) -> dict:
     from jaxmoe.parallel.pipeline import bubble_fraction
 
-    M = a.microbatches
+    M = a.stage_microbatches
     layout = {name: PIPELINE_LAYOUTS[name] for name in PIPELINE_LAYOUTS
               if name == "S=1" or name in a.layouts}
     common = ["mesh.expert=1", "moe.dispatcher=grouped", "model.num_layers=9",
               "model.num_dense_layers=1"]
-    cases = {name: common + [f"mesh.stage={S}", f"mesh.data={8 // S}",
-                             f"pipeline.microbatches={M if S > 1 else 1}",
-                             f"pipeline.schedule={'circular' if V > 1 else 'gpipe'}",
-                             f"pipeline.virtual_stages={V}"]
+    cases = {name: common + a.set + [f"mesh.stage={S}", f"mesh.data={8 // S}",
+                                     f"pipeline.stage_microbatches={M if S > 1 else 1}",
+                                     f"pipeline.schedule={'circular' if V > 1 else 'gpipe'}",
+                                     f"pipeline.virtual_stages={V}"]
              for name, (S, V) in layout.items()}
     runs = {name: _train_step_case(a.config, overrides).run for name, overrides in cases.items()}
     secs = time_round_robin(runs, a.repeats)
-    result = {"config": a.config, "microbatches": M, "cases": {
+    result = {"config": a.config, "overrides": a.set, "stage_microbatches": M, "cases": {
         name: {"step_s": secs[name], "vs_S1": secs[name] / secs["S=1"],
                "bubble_predicted": bubble_fraction(S, M if S > 1 else 1, V)}
         for name, (S, V) in layout.items()}}

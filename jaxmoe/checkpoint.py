@@ -3,6 +3,10 @@
 A checkpoint holds everything needed to continue bit-exactly: the whole
 TrainState (params, optimizer state, router expert biases, step, RNG key) and a
 JSON `meta` item (format version, the data iterator's position, the config).
+The MoE layers are saved in model order whatever the pipeline layout they
+trained under (a circular pipeline stores them by device, padded to equal
+stages), so a checkpoint resumes under any mesh and pipeline layout, and
+readers of the weights need no layout.
 Orbax writes into a temporary directory and renames it when complete, so a
 checkpoint exists only once whole; a process killed mid-save leaves the previous
 one as the latest.
@@ -14,6 +18,7 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -22,9 +27,14 @@ from jaxmoe.config import Config, config_from_dict
 from jaxmoe.model.transformer import stored_layer_order
 from jaxmoe.step import Steps, TrainState, abstract_model
 
-# 2: optimizer state is jaxmoe.optim.AdamWState (count, mu, nu); 1 held optax's
-# chained (clip, adam, decay, schedule) states, which 2 cannot restore into.
-FORMAT_VERSION = 2
+# 3: MoE layers in model order, pipeline padding dropped; `train.accumulation_steps`
+#    and `pipeline.stage_microbatches` in the config.
+# 2: MoE layers in the saved config's pipeline layout (`stored_layer_order`); the
+#    config said `microbatches` for both. Resumes: the layout is converted on read.
+# 1: optax's chained (clip, adam, decay, schedule) states, which 2 cannot restore
+#    into (2 holds jaxmoe.optim.AdamWState); its weights still load.
+FORMAT_VERSION = 3
+RESUMES_SINCE = 2
 WEIGHTS_SINCE = 1  # params and router biases are laid out as in format 1
 # Keys whose change alters parameter or optimizer-state shapes.
 SHAPE_KEYS = {
@@ -53,7 +63,94 @@ def save(manager: ocp.CheckpointManager, state: TrainState, data_state: dict, cf
     """Starts an asynchronous save of the state at its step; training goes on."""
     meta = {"format_version": FORMAT_VERSION, "data": data_state, "config": cfg.to_dict()}
     manager.save(int(state.step), args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        state=ocp.args.StandardSave(to_model_order(state, cfg)), meta=ocp.args.JsonSave(meta)))
+
+
+# ---------------------------------------------------------------- MoE layer layout
+
+def _is_moe(path) -> bool:
+    return any(getattr(k, "key", None) == "moe_layers" for k in path)
+
+
+def _moe_length(tree) -> int | None:
+    leaves = [a for p, a in jax.tree_util.tree_leaves_with_path(tree) if _is_moe(p)]
+    return leaves[0].shape[0] if leaves else None
+
+
+def _fit(sharding, length: int):
+    """`sharding` for a leading axis of `length`: unsplit where it would not divide."""
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not sharding.spec:
+        return sharding
+    head = sharding.spec[0]
+    names = head if isinstance(head, tuple) else (head,) if head else ()
+    if length % int(np.prod([sharding.mesh.shape[n] for n in names], dtype=int)) == 0:
+        return sharding
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+        None, *sharding.spec[1:]))
+
+
+def _take_layers(tree, source, shardings=None):
+    """`tree` with each MoE leaf's layer axis rebuilt: slot i takes layer source[i],
+    or zeros where source[i] < 0 (a pipeline's pass-through padding). One program
+    for all leaves; `shardings`: the result's (a tree like `tree`), else the input's
+    fitted to the new length."""
+    source = np.asarray(source)
+    if _moe_length(tree) is None or (len(source) == _moe_length(tree)
+                                     and np.array_equal(source, np.arange(len(source)))):
+        return tree
+    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    moe = [_is_moe(p) for p in paths]
+    leaves = jax.tree.leaves(tree)
+    if shardings is None:
+        outs = [_fit(a.sharding, len(source)) for a, m in zip(leaves, moe) if m]
+    else:
+        outs = [s for s, m in zip(jax.tree.leaves(shardings), moe) if m]
+    pad = source < 0
+
+    def take(arrays):
+        return [jnp.where(pad.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.zeros((), a.dtype),
+                          a[np.maximum(source, 0)]) for a in arrays]
+
+    taken = iter(jax.jit(take, out_shardings=outs)([a for a, m in zip(leaves, moe) if m]))
+    return jax.tree.unflatten(jax.tree.structure(tree),
+                              [next(taken) if m else a for a, m in zip(leaves, moe)])
+
+
+def to_model_order(state, cfg: Config):
+    """`state` (any tree holding `moe_layers` subtrees) with its MoE layers in model
+    order, padding dropped: what a checkpoint holds. Costs one copy of the MoE
+    state where the layout is not already model order (circular or padded
+    pipelines only); a save runs between steps, when the step's activations,
+    larger than that copy, are free."""
+    order = stored_layer_order(cfg)
+    return _take_layers(state, np.argsort(order)[: cfg.num_moe_layers])
+
+
+def _saved_order(meta: dict) -> np.ndarray:
+    """Model-order index of each saved MoE slot (>= the layer count: padding)."""
+    cfg = saved_config(meta)
+    if meta["format_version"] >= 3:
+        return np.arange(cfg.num_moe_layers)
+    return stored_layer_order(cfg)
+
+
+def _from_saved(saved_order: np.ndarray, order: np.ndarray, num_layers: int) -> np.ndarray:
+    """For each slot of the layout `order`, the saved slot holding its layer (-1: padding)."""
+    saved_slot = {int(m): j for j, m in enumerate(saved_order) if m < num_layers}
+    return np.array([saved_slot.get(int(m), -1) for m in order])
+
+
+def saved_config(meta: dict) -> Config:
+    """The config a checkpoint was saved under, in this jaxmoe's keys."""
+    raw = meta["config"]
+    if meta["format_version"] < 3:  # one key, two meanings, renamed since
+        raw = {**raw, "train": dict(raw.get("train", {})),
+               "pipeline": dict(raw.get("pipeline", {}))}
+        if "microbatches" in raw["train"]:
+            raw["train"]["accumulation_steps"] = raw["train"].pop("microbatches")
+        if "microbatches" in raw["pipeline"]:
+            raw["pipeline"]["stage_microbatches"] = raw["pipeline"].pop("microbatches")
+    return config_from_dict(raw)
 
 
 def locate(path: str | Path) -> tuple[Path, int | None]:
@@ -97,7 +194,7 @@ def read_meta(directory: str | Path, step: int | None = None,
     if version < WEIGHTS_SINCE:
         raise CheckpointError(f"checkpoint {directory / str(step)} has format version {version}, "
                               f"older than any this jaxmoe reads ({WEIGHTS_SINCE})")
-    if version < FORMAT_VERSION and not weights_only:
+    if version < RESUMES_SINCE and not weights_only:
         raise CheckpointError(f"checkpoint {directory / str(step)} has format version {version}, "
                               f"whose optimizer state this jaxmoe (format {FORMAT_VERSION}) cannot "
                               f"restore; its weights still load (jaxmoe.load_params, "
@@ -106,18 +203,12 @@ def read_meta(directory: str | Path, step: int | None = None,
 
 
 def check_compatible(saved: dict, cfg: Config, where: Path) -> None:
-    """Rejects resuming with a model whose shapes differ from the checkpoint's."""
+    """Rejects resuming with a model whose shapes differ from the checkpoint's (the
+    mesh and pipeline layout may differ)."""
     current = cfg.to_dict()
     diffs = [f"{sec}.{key}: checkpoint {saved[sec].get(key)!r}, config {current[sec][key]!r}"
              for sec, keys in SHAPE_KEYS.items() for key in keys
              if saved.get(sec, {}).get(key) != current[sec][key]]
-    # pipelines store MoE layers by stage, padded to equal stages: the layout must match too
-    if not diffs and not np.array_equal(stored_layer_order(config_from_dict(saved)),
-                                        stored_layer_order(cfg)):
-        layout = lambda c: (c["mesh"]["stage"], c["pipeline"]["virtual_stages"])  # noqa: E731
-        diffs.append(f"(mesh.stage, pipeline.virtual_stages): checkpoint {layout(saved)}, "
-                     f"config {layout(current)} (pipelines store MoE layers by stage, padded "
-                     "to equal stages)")
     if diffs:
         raise CheckpointError(f"checkpoint {where} was made for another model shape: "
                               + "; ".join(diffs))
@@ -134,30 +225,42 @@ def restore(directory: str | Path, steps: Steps, step: int | None = None) -> tup
     """Restores the latest (or given) checkpoint into `steps`' mesh and shardings.
 
     Returns the state and the data iterator's state. The checkpoint may come
-    from another mesh: orbax reads each device's slice for the new shardings.
+    from another mesh or pipeline layout: orbax reads each device's slice for the
+    new shardings, and the MoE layers are then put in the new layout's order.
     """
     directory = Path(directory)
     step, meta = read_meta(directory, step)
     check_compatible(meta["config"], steps.cfg, directory / str(step))
-    state = _read_state(directory, step, ocp.args.StandardRestore(abstract_target(steps)))
-    return state, meta["data"]
+    target = abstract_target(steps)
+    saved_order = _saved_order(meta)
+    as_saved = jax.tree_util.tree_map_with_path(
+        lambda p, a: jax.ShapeDtypeStruct((len(saved_order),) + a.shape[1:], a.dtype,
+                                          sharding=_fit(a.sharding, len(saved_order)))
+        if _is_moe(p) else a, target)
+    state = _read_state(directory, step, ocp.args.StandardRestore(as_saved))
+    source = _from_saved(saved_order, stored_layer_order(steps.cfg), steps.cfg.num_moe_layers)
+    shardings = jax.tree.map(lambda a: a.sharding, target)
+    return _take_layers(state, source, shardings), meta["data"]
 
 
 def restore_weights(directory: str | Path, step: int | None = None) -> tuple[nnx.State, Config]:
-    """Parameters and router biases of a checkpoint on one device, in their saved
-    layer layout (pipelines store MoE layers by stage, maybe padded: see
-    `stored_layer_order`), with the config they were saved under. Reads neither
-    the optimizer state nor anything compiled, so it needs a third of `restore`'s
-    memory and works on older formats."""
+    """Parameters and router biases of a checkpoint on one device, MoE layers in
+    model order (whatever the layout they trained under), with the config they
+    were saved under. Reads neither the optimizer state nor anything compiled,
+    so it needs a third of `restore`'s memory and works on older formats."""
     directory = Path(directory)
     step, meta = read_meta(directory, step, weights_only=True)
-    cfg = config_from_dict(meta["config"])
+    cfg = saved_config(meta)
+    saved_order = _saved_order(meta)
     _, abs_params, abs_buffers = abstract_model(cfg)
     one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    wanted = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
-                          {"params": abs_params, "buffers": abs_buffers})
+    wanted = jax.tree_util.tree_map_with_path(
+        lambda p, a: jax.ShapeDtypeStruct(((len(saved_order),) + a.shape[1:]) if _is_moe(p)
+                                          else a.shape, a.dtype, sharding=one_device),
+        {"params": abs_params, "buffers": abs_buffers})
     weights = _read_state(directory, step, ocp.args.PyTreeRestore(
         wanted, ocp.checkpoint_utils.construct_restore_args(wanted), partial_restore=True))
+    weights = _take_layers(weights, np.argsort(saved_order)[: cfg.num_moe_layers])
     return nnx.merge_state(weights["params"], weights["buffers"]), cfg
 
 

@@ -84,7 +84,7 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    microbatches: int = 1  # micro-batches flowing through the stages (per accumulation step)
+    stage_microbatches: int = 1  # micro-batches flowing through the stages, per accumulation step
     schedule: Literal["gpipe", "circular"] = "gpipe"
     virtual_stages: int = 1  # circular: chunks of layers per device, visited round-robin
 
@@ -116,7 +116,8 @@ class TrainConfig:
     steps: int = 200
     batch_size: int = 16  # global batch, in sequences
     seq_len: int = 256
-    microbatches: int = 1  # gradient accumulation: batch is split into this many
+    accumulation_steps: int = 1  # the batch is split into this many slices, run one after
+    # another with their gradients summed (gradient accumulation)
     remat: Literal["none", "full", "matmuls"] = "none"
     # 0: logits for the whole sequence at once; N: the LM head and cross-entropy run
     # N positions at a time (recomputed in the backward), never holding B x L x V logits
@@ -229,26 +230,28 @@ def validate(c: Config) -> None:
     if c.num_moe_layers and c.mesh.expert > 0:
         _require(moe.num_experts % c.mesh.expert == 0, "moe.num_experts",
                  f"{moe.num_experts} experts cannot be split over mesh.expert={c.mesh.expert}")
-    P, V = c.pipeline.microbatches, c.pipeline.virtual_stages
+    P, V = c.pipeline.stage_microbatches, c.pipeline.virtual_stages
     if c.pipeline.schedule == "gpipe":
         _require(V == 1, "pipeline.virtual_stages", "gpipe has one stage per device; use "
                  "schedule: circular for virtual stages")
     else:
         _require(V >= 2, "pipeline.virtual_stages", "circular needs at least 2")
         _require(c.mesh.stage > 1, "mesh.stage", "circular needs an explicit stage count above 1")
-        _require(P >= c.mesh.stage, "pipeline.microbatches",
-                 f"circular needs at least as many microbatches as stages ({c.mesh.stage})")
+        _require(P >= c.mesh.stage, "pipeline.stage_microbatches",
+                 f"circular needs at least as many micro-batches as stages ({c.mesh.stage})")
     if c.mesh.stage > 1:
         _require(c.num_moe_layers >= c.mesh.stage * V, "mesh.stage",
                  f"{c.num_moe_layers} MoE layers cannot fill {c.mesh.stage} stages "
                  f"x {V} virtual stages")
-    _require(P > 0 and (t.batch_size // max(t.microbatches, 1)) % P == 0, "pipeline.microbatches",
-             f"{P} does not divide the per-step batch of {t.batch_size // max(t.microbatches, 1)}")
+    A = max(t.accumulation_steps, 1)
+    _require(P > 0 and (t.batch_size // A) % P == 0, "pipeline.stage_microbatches",
+             f"{P} does not divide the batch of one accumulation step, {t.batch_size // A}")
     _require(t.steps > 0, "train.steps", "must be positive")
     _require(t.batch_size > 0 and t.seq_len > 0, "train.batch_size",
              "batch_size and seq_len must be positive")
-    _require(t.microbatches > 0 and t.batch_size % t.microbatches == 0, "train.microbatches",
-             f"batch_size={t.batch_size} is not divisible by microbatches={t.microbatches}")
+    _require(t.accumulation_steps > 0 and t.batch_size % t.accumulation_steps == 0,
+             "train.accumulation_steps", f"batch_size={t.batch_size} is not divisible by "
+             f"accumulation_steps={t.accumulation_steps}")
     _require(o.learning_rate > 0, "optimizer.learning_rate", "must be positive")
     _require(0.0 <= o.min_lr_ratio <= 1.0, "optimizer.min_lr_ratio", "must be in [0, 1]")
     _require(0.0 < o.decay_fraction <= 1.0, "optimizer.decay_fraction", "must be in (0, 1]")
@@ -301,11 +304,21 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+# Keys that meant two things: both are refused, naming the new keys.
+_BOTH_MICROBATCHES = ("gradient accumulation is now train.accumulation_steps and the "
+                      "micro-batches flowing through pipeline stages pipeline.stage_microbatches")
+RENAMED = {"train.microbatches": _BOTH_MICROBATCHES, "pipeline.microbatches": _BOTH_MICROBATCHES}
+
+
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    for name in raw:
+        key = f"{prefix}.{name}" if prefix else name
+        if key in RENAMED:
+            raise ConfigError(f"{key}: renamed, {RENAMED[key]}")
     unknown = sorted(set(raw) - names)
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]

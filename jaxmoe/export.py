@@ -22,16 +22,15 @@ from flax import nnx
 from jaxmoe import checkpoint
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config
-from jaxmoe.model.transformer import stored_layer_order
 
 _RENAME = {"embed": "embedding", "head": "lm_head", "final_norm.scale": "final_norm"}
 
 
 def named_tensors(params: nnx.State, cfg: Config) -> dict[str, tuple[np.ndarray, list]]:
-    """Flat {name: (array, axis names)}; stacked layers are split one tensor per layer,
-    numbered in model order."""
+    """Flat {name: (array, axis names)} of weights whose MoE layers are in model order
+    (as `checkpoint.restore_weights` gives them); stacked layers are split one tensor
+    per layer, numbered in model order."""
     num_dense = cfg.model.num_dense_layers
-    moe_order = stored_layer_order(cfg)
     out = {}
     flat = nnx.to_flat_state(params)
     for path, var in flat:
@@ -40,9 +39,7 @@ def named_tensors(params: nnx.State, cfg: Config) -> dict[str, tuple[np.ndarray,
         axes = list(var.get_metadata().get("out_sharding") or [])
         if keys[0] in ("dense_layers", "moe_layers"):
             for i in range(value.shape[0]):
-                if keys[0] == "moe_layers" and moe_order[i] >= cfg.num_moe_layers:
-                    continue  # a pipeline's padding slot
-                layer = i if keys[0] == "dense_layers" else num_dense + int(moe_order[i])
+                layer = i if keys[0] == "dense_layers" else num_dense + i
                 out[f"layers.{layer}." + ".".join(keys[1:])] = (value[i], axes[1:])
         else:
             name = ".".join(keys)

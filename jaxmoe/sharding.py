@@ -88,11 +88,13 @@ def device_grid(shape: dict[str, int], devices: list) -> np.ndarray:
 def check_divisibility(cfg: Config, mesh: Mesh) -> None:
     """Shape checks that need the resolved mesh; run before compiling."""
     n_batch = mesh.shape["data"] * mesh.shape["expert"]
-    per_micro = cfg.train.batch_size // cfg.train.microbatches // cfg.pipeline.microbatches
+    per_micro = (cfg.train.batch_size // cfg.train.accumulation_steps
+                 // cfg.pipeline.stage_microbatches)
     if per_micro % n_batch:
         raise ConfigError(f"train.batch_size: {cfg.train.batch_size} sequences in "
-                          f"{cfg.train.microbatches} x {cfg.pipeline.microbatches} (pipeline) "
-                          f"microbatches cannot be split over data x expert = {n_batch} devices")
+                          f"{cfg.train.accumulation_steps} (accumulation) x "
+                          f"{cfg.pipeline.stage_microbatches} (pipeline) "
+                          f"micro-batches cannot be split over data x expert = {n_batch} devices")
     if cfg.num_moe_layers and cfg.moe.num_experts % mesh.shape["expert"]:
         raise ConfigError(f"moe.num_experts: {cfg.moe.num_experts} experts cannot be split "
                           f"over mesh.expert={mesh.shape['expert']}")

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxmoe import sharding
 from jaxmoe.config import Config
 from jaxmoe.load_metrics import load_metrics
-from jaxmoe.model.transformer import Transformer, stored_layer_order
+from jaxmoe.model.transformer import Transformer
 from jaxmoe.optim import learning_rate_schedule, make_optimizer
 from jaxmoe.parallel import ddp
 from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
@@ -126,6 +126,7 @@ def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout, working: Callable,
         model = nnx.merge(graphdef, working(params), buffers)
         x, aux = model.hidden(tokens_BxL1[:, :-1], layout=layout, key=key, remat=cfg.train.remat)
         ce = model.cross_entropy(x, tokens_BxL1[:, 1:], layout, cfg.train.loss_chunk)
+        ce = ce if layout is None else layout.ce_share(ce)
         loss = ce
         if loss_hook is not None and step is not None:  # training only, not eval
             loss = loss_hook(loss, step)
@@ -139,30 +140,30 @@ def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout, working: Callable,
 
 def accumulate_gradients(loss_fn: Callable, cfg: Config, params, buffers, batch_BxL1: jax.Array,
                          step_key: jax.Array, step: jax.Array):
-    """Sums over the `train.microbatches` micro-batches of `batch_BxL1`: fp32
+    """Sums over the `train.accumulation_steps` slices of `batch_BxL1`: fp32
     gradients w.r.t. `params`, loss, ce and router stats (divide by the count)."""
-    M = cfg.train.microbatches
+    A = cfg.train.accumulation_steps
     B, L1 = batch_BxL1.shape
-    # Strided split keeps each device's rows on that device in every micro-batch.
-    micro_MxBxL1 = batch_BxL1.reshape(B // M, M, L1).swapaxes(0, 1)
+    # Strided split keeps each device's rows on that device in every slice.
+    slices_AxBxL1 = batch_BxL1.reshape(B // A, A, L1).swapaxes(0, 1)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def micro(i, tokens):
+    def one_slice(i, tokens):
         key = jax.random.fold_in(step_key, i) if cfg.moe.router_jitter > 0 else None
         (loss, (ce, aux)), grads = grad_fn(params, buffers, tokens, key, step)
         return jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss, ce, aux
 
-    if M == 1:  # no accumulation loop: no zeroed gradient tree to add into
-        return micro(0, micro_MxBxL1[0])
+    if A == 1:  # no accumulation loop: no zeroed gradient tree to add into
+        return one_slice(0, slices_AxBxL1[0])
 
     def add(sums, xs):  # one traced copy of the model, looped
-        return jax.tree.map(jnp.add, sums, micro(*xs)), None
+        return jax.tree.map(jnp.add, sums, one_slice(*xs)), None
 
     # forward only: the shapes (and, per device, the varying axes) of loss, ce and stats
-    loss, (ce, aux) = jax.eval_shape(loss_fn, params, buffers, micro_MxBxL1[0], None, step)
+    loss, (ce, aux) = jax.eval_shape(loss_fn, params, buffers, slices_AxBxL1[0], None, step)
     zeros = (jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params),
              *jax.tree.map(_zeros, (loss, ce, aux)))
-    sums, _ = jax.lax.scan(add, zeros, (jnp.arange(M), micro_MxBxL1))
+    sums, _ = jax.lax.scan(add, zeros, (jnp.arange(A), slices_AxBxL1))
     return sums
 
 
@@ -175,12 +176,12 @@ def _zeros(a: jax.ShapeDtypeStruct) -> jax.Array:
 
 
 def step_metrics(cfg: Config, layout, loss, ce, aux, grad_norm, lr, finite, num_tokens: int):
-    """The step's metrics from its (global, summed over micro-batches) losses and stats."""
-    M = cfg.train.microbatches
-    metrics = {"loss": loss / M, "ce": ce / M, "grad_norm": grad_norm, "lr": lr,
+    """The step's metrics from its (global, summed over accumulation steps) losses and stats."""
+    A = cfg.train.accumulation_steps
+    metrics = {"loss": loss / A, "ce": ce / A, "grad_norm": grad_norm, "lr": lr,
                "skipped": (~finite).astype(jnp.int32)}
     if cfg.num_moe_layers:
-        aux = {**aux, "balance_loss": aux["balance_loss"] / M, "z_loss": aux["z_loss"] / M}
+        aux = {**aux, "balance_loss": aux["balance_loss"] / A, "z_loss": aux["z_loss"] / A}
         metrics["balance_loss"] = jnp.mean(aux["balance_loss"])
         metrics["z_loss"] = jnp.mean(aux["z_loss"])
         metrics |= load_metrics(aux, num_tokens, cfg.moe.top_k, layout.mesh.shape["expert"],
@@ -188,12 +189,12 @@ def step_metrics(cfg: Config, layout, loss, ce, aux, grad_norm, lr, finite, num_
     return metrics
 
 
-def new_buffers(cfg: Config, state: TrainState, aux, finite) -> nnx.State:
+def new_buffers(cfg: Config, layout, state: TrainState, aux, finite) -> nnx.State:
     """Router biases after the step (unchanged on a skipped one)."""
     buffers = state.buffers
     if cfg.num_moe_layers and cfg.moe.expert_bias:
         buffers = update_expert_bias(buffers, aux["counts_E"], cfg.moe.bias_update_rate,
-                                     stored_layer_order(cfg))
+                                     layout.stored_slots())
     return jax.tree.map(lambda new, old: jnp.where(finite, new, old), buffers, state.buffers)
 
 
@@ -205,7 +206,7 @@ def auto_train_step(cfg: Config, layout: GlobalLayout, loss_fn: Callable, tx, lr
         step_key = jax.random.fold_in(state.key, state.step)
         grads, loss, ce, aux = accumulate_gradients(loss_fn, cfg, state.params, state.buffers,
                                                     batch_BxL1, step_key, state.step)
-        grads = jax.tree.map(lambda g: g / cfg.train.microbatches, grads)
+        grads = jax.tree.map(lambda g: g / cfg.train.accumulation_steps, grads)
         params, opt_state, grad_norm, finite = apply_gradients(tx, state.params, state.opt_state,
                                                                grads, loss)
         # The rate this update used: the schedule runs on the optimizer's count,
@@ -214,8 +215,8 @@ def auto_train_step(cfg: Config, layout: GlobalLayout, loss_fn: Callable, tx, lr
                                finite, batch_BxL1.shape[0] * (batch_BxL1.shape[1] - 1))
         bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
         metrics["bad_steps"] = bad_steps
-        return TrainState(state.step + 1, params, new_buffers(cfg, state, aux, finite), opt_state,
-                          state.key, bad_steps), metrics
+        return TrainState(state.step + 1, params, new_buffers(cfg, layout, state, aux, finite),
+                          opt_state, state.key, bad_steps), metrics
 
     return train_step
 
@@ -225,7 +226,7 @@ def ddp_train_step(cfg: Config, layout: DeviceLayout, specs: TrainState, use_spe
     """The ddp train step as one per-device program over the whole mesh.
 
     Each device runs the model on its own rows with its dense replicas and its
-    experts; gradients accumulate locally over the micro-batches and are reduced
+    experts; gradients accumulate locally over the accumulation steps and are reduced
     once at the end, into the ZeRO-1 shards (`jaxmoe.parallel.ddp`), where the
     optimizer updates them; the new shards are gathered once. `specs`: the state's
     PartitionSpecs; `use_specs`: where the parameters are used.
@@ -234,7 +235,7 @@ def ddp_train_step(cfg: Config, layout: DeviceLayout, specs: TrainState, use_spe
     plans = ddp.reductions(use_specs, specs.opt_state.mu, mesh)
     sharded_master = _sharded_master(cfg)
     n_batch = mesh.shape["data"] * mesh.shape["expert"]
-    M = cfg.train.microbatches
+    A = cfg.train.accumulation_steps
 
     def tree_map(fn, tree, plans):  # plans: a Reduction where `tree` has an array
         flat = jax.tree.leaves(plans, is_leaf=lambda x: isinstance(x, ddp.Reduction))
@@ -256,9 +257,10 @@ def ddp_train_step(cfg: Config, layout: DeviceLayout, specs: TrainState, use_spe
         working = tree_map(ddp.to_per_device, working, plans)
         grads, loss, ce, aux = accumulate_gradients(loss_fn, cfg, working, state.buffers,
                                                     rows_bxL1, step_key, state.step)
-        scale = 1.0 / (n_batch * M)
+        scale = 1.0 / (n_batch * A)
         grads = tree_map(lambda g, r: ddp.reduce_gradient(g, r) * scale, grads, plans)
-        # (over every axis: `stage` is 1 here, and the sums must not vary over it)
+        # over every axis: stages hold disjoint layers (zeros elsewhere) and the
+        # last stage's loss (`DeviceLayout.ce_share`)
         total = lambda v: ddp.psum_everywhere(v, mesh.axis_names)  # noqa: E731
         loss, ce = total(loss) / n_batch, total(ce) / n_batch
         aux = {k: total(v) / (n_batch if k in ("balance_loss", "z_loss") else 1)
@@ -276,8 +278,8 @@ def ddp_train_step(cfg: Config, layout: DeviceLayout, specs: TrainState, use_spe
                                finite, n_batch * B * (L1 - 1))
         bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
         metrics["bad_steps"] = bad_steps
-        return TrainState(state.step + 1, params, new_buffers(cfg, state, aux, finite), opt_state,
-                          state.key, bad_steps), metrics
+        return TrainState(state.step + 1, params, new_buffers(cfg, layout, state, aux, finite),
+                          opt_state, state.key, bad_steps), metrics
 
     return jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(BATCH_AXES)),
                          out_specs=(specs, P()), check_vma=True)
@@ -294,8 +296,8 @@ def _sharded_master(cfg: Config) -> bool:
 
 
 def uses_per_device_step(cfg: Config, mesh: Mesh) -> bool:
-    """ddp trains with the per-device step; pipelines still run auto-sharded."""
-    return cfg.mesh.parallelism == "ddp" and mesh.shape["stage"] == 1
+    """ddp trains with the per-device step, pipelines included."""
+    return cfg.mesh.parallelism == "ddp"
 
 
 def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> Steps:
@@ -361,13 +363,13 @@ def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float,
 
     Uses the step's requested counts summed over the global batch (XLA reduces
     them across devices), once per optimizer step, however often a layer was
-    recomputed. order: model layer of each stored slot (pipelines store layers
-    by stage and may pad); counts come in model order.
+    recomputed. order: model layer of each slot of `buffers` (pipelines store
+    layers by stage and may pad); counts come in model order.
     """
     counts = counts_LxE.astype(jnp.float32)
     delta = rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
     if order is not None:  # padding slots (order >= L) get no update
-        delta = jnp.concatenate([delta, jnp.zeros_like(delta[:1])])[np.minimum(order, len(delta))]
+        delta = jnp.concatenate([delta, jnp.zeros_like(delta[:1])])[jnp.minimum(order, len(delta))]
 
     def nudge(path, b):  # a new tree: the step's input state must stay untouched
         return b + delta if "router" in jax.tree_util.keystr(path) else b

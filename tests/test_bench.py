@@ -131,9 +131,11 @@ def test_pipeline_reports_ratios_and_the_bubble_formula(tmp_path, capsys):
     config.write_text(TOY)
     M = 4  # the fewest micro-batches circular allows at 4 stages
     # two pipelined layouts beside S=1 (each is a compile of its own)
-    result = _run(tmp_path, ["pipeline", *ONCE, "--config", str(config), "--microbatches", str(M),
-                             "--layouts", "S=4", "S=2 V=2"])
-    assert result["microbatches"] == M
+    # 4 MoE layers: one per stage at S=4, one per virtual stage at S=2 V=2
+    result = _run(tmp_path, ["pipeline", *ONCE, "--config", str(config),
+                             "--stage-microbatches", str(M), "--layouts", "S=4", "S=2 V=2",
+                             "--set", "model.num_layers=5"])
+    assert result["stage_microbatches"] == M and result["overrides"] == ["model.num_layers=5"]
     cases = result["cases"]
     # (S - 1) / (V M + S - 1), by hand; one stage has no bubble
     bubbles = {"S=1": 0.0, "S=4": 3 / 7, "S=2 V=2": 1 / 9}

@@ -104,13 +104,15 @@ def test_sigkill_mid_save_resumes_from_last_complete(straight, tmp_path):
     assert killed_during_save, "never caught a save in progress"
     done = checkpoint.complete_steps(ckpts)
     last = done[-1]
-    # resume with the uninterrupted run's settings (as the big run, 12 steps)
+    # resume with the uninterrupted run's settings (as the big run, 12 steps); the
+    # two runs are independent, so they run side by side
     reference = tmp_path.parent / (tmp_path.name + "_ref")
-    ref = subprocess.run(_cmd(reference, big), capture_output=True, text=True, timeout=600)
-    assert ref.returncode == 0, ref.stderr
-    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from step {last}" in resumed.stdout
+    runs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for c in (_cmd(reference, big), cmd)]
+    (_, ref_err), (resumed_out, resumed_err) = [p.communicate(timeout=600) for p in runs]
+    assert runs[0].returncode == 0, ref_err
+    assert runs[1].returncode == 0, resumed_err
+    assert f"resumed from step {last}" in resumed_out
     got, want = _losses(tmp_path), _losses(reference)
     assert [got[s] for s in range(last + 1, 13)] == [want[s] for s in range(last + 1, 13)]
 
@@ -140,6 +142,71 @@ def test_restore_into_another_mesh(tmp_path):
         assert w.sharding.spec[1] == "expert"  # laid out for the new mesh
         restored, metrics = steps.train_step(restored, jax.device_put(batch, steps.batch_sharding))
         assert np.isfinite(float(metrics["loss"])) and int(restored.step) == 2
+
+
+# 6 MoE layers on 2 stages x 2 virtual stages: stored device-major in 8 slots, 2 of
+# them pass-through padding
+CIRCULAR = {**SMALL, "model": {**SMALL["model"], "num_layers": 7},
+            "moe": {**SMALL["moe"], "dispatcher": "alltoall"},
+            "mesh": {"data": 2, "stage": 2, "expert": 2},
+            "pipeline": {"schedule": "circular", "virtual_stages": 2, "stage_microbatches": 2}}
+
+
+def _in_model_order(values, cfg):
+    """`values` with every MoE leaf's layer axis put in model order, padding dropped."""
+    from jaxmoe.model.transformer import stored_layer_order
+    keep = np.argsort(stored_layer_order(cfg))[: cfg.num_moe_layers]
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a: a[keep] if "'moe_layers'" in jax.tree_util.keystr(p) else a, values)
+
+
+def test_a_circular_pipeline_checkpoint_resumes_under_other_layouts(tmp_path):
+    from jaxmoe.model.transformer import stored_layer_order
+    cfg = config_from_dict(CIRCULAR)
+    order = stored_layer_order(cfg)
+    assert list(order) == [0, 1, 4, 5, 2, 3, 6, 7]  # teeth: neither model order nor unpadded
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    state = steps.init(jax.random.PRNGKey(0))
+    batch = np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)
+    state, _ = steps.train_step(state, jax.device_put(batch, steps.batch_sharding))
+    saved = _state_values(state)
+    for version in (checkpoint.FORMAT_VERSION, 2):  # 2 wrote the pipeline's own layout
+        run = tmp_path / f"v{version}"
+        manager = checkpoint.checkpoint_manager(run, cfg)
+        if version == 2:
+            manager.save(1, args=checkpoint.ocp.args.Composite(
+                state=checkpoint.ocp.args.StandardSave(state),
+                meta=checkpoint.ocp.args.JsonSave({"format_version": 2, "data": {"step": 1},
+                                                   "config": _format_2_config(cfg)})))
+        else:
+            checkpoint.save(manager, state, {"step": 1}, cfg)
+        manager.wait_until_finished()
+        for mesh, dispatcher in [({"data": 8}, "grouped"), ({"data": 4, "expert": 2}, "alltoall")]:
+            other = config_from_dict({**CIRCULAR, "mesh": mesh, "pipeline": {},
+                                      "moe": {**CIRCULAR["moe"], "dispatcher": dispatcher}})
+            other_steps = build_steps(other, make_mesh(other.mesh))
+            restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(run), other_steps)
+            chex.assert_trees_all_equal(_state_values(restored), _in_model_order(saved, cfg))
+        # and back into the circular layout: the same state, padding zeroed
+        restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(run), steps)
+        pads = order >= cfg.num_moe_layers
+        chex.assert_trees_all_equal(_in_model_order(_state_values(restored), cfg),
+                                    _in_model_order(saved, cfg))
+        moe = jax.tree.leaves(_state_values(restored)[0]["moe_layers"])
+        assert all(not np.any(a[pads]) for a in moe)
+    # and trains on in another layout
+    restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(run), other_steps)
+    restored, metrics = other_steps.train_step(restored,
+                                               jax.device_put(batch, other_steps.batch_sharding))
+    assert np.isfinite(float(metrics["loss"])) and int(restored.step) == 2
+
+
+def _format_2_config(cfg):
+    """The config as format 2 wrote it: one `microbatches` key in train and pipeline."""
+    raw = cfg.to_dict()
+    raw["train"]["microbatches"] = raw["train"].pop("accumulation_steps")
+    raw["pipeline"]["microbatches"] = raw["pipeline"].pop("stage_microbatches")
+    return raw
 
 
 def test_nan_steps_are_skipped_then_stop(tmp_path):
@@ -215,10 +282,11 @@ def test_bad_resume_inputs_leave_directory_untouched(straight, tmp_path):
     meta = run / "checkpoints" / "8" / "meta" / "metadata"
     original = meta.read_text()
     current, _ = checkpoint.restore_weights(run / "checkpoints")
-    meta.write_text(original.replace('"format_version": 2', '"format_version": 99'))
+    version = f'"format_version": {checkpoint.FORMAT_VERSION}'
+    meta.write_text(original.replace(version, '"format_version": 99'))
     newer = _cli(run, "--resume")
     assert newer.returncode == 2 and "format version 99" in newer.stderr
-    meta.write_text(original.replace('"format_version": 2', '"format_version": 1'))
+    meta.write_text(original.replace(version, '"format_version": 1'))
     older = _cli(run, "--resume")
     assert older.returncode == 2 and "format version 1, whose optimizer state" in older.stderr
     # the weights of the older format still load, and are the same arrays

@@ -17,7 +17,7 @@ from jaxmoe.model.transformer import Transformer
     ({"moe": {"dispatcher": "magic"}}, "moe.dispatcher"),
     ({"moe": {"expertz": 4}}, "moe.expertz"),
     ({"optimiser": {}}, "optimiser"),
-    ({"train": {"batch_size": 10, "microbatches": 4}}, "train.microbatches"),
+    ({"train": {"batch_size": 10, "accumulation_steps": 4}}, "train.accumulation_steps"),
     ({"model": {"num_dense_layers": 9}}, "model.num_dense_layers"),
     ({"mesh": {"expert": 3}}, "moe.num_experts"),
     ({"mesh": {"data": -1, "expert": -1}}, "mesh"),
@@ -28,6 +28,18 @@ from jaxmoe.model.transformer import Transformer
 def test_bad_values_name_the_key(raw, key):
     with pytest.raises(ConfigError, match=f"^{key}"):
         config_from_dict(raw)
+
+
+@pytest.mark.parametrize("old", ["train.microbatches=2", "pipeline.microbatches=2"])
+def test_the_two_microbatch_keys_are_refused_naming_their_successors(old):
+    """One word meant gradient accumulation in `train` and pipeline micro-batches in
+    `pipeline`; each old key now fails and names both new ones."""
+    with pytest.raises(ConfigError, match=f"^{old.split('=')[0]}: renamed") as e:
+        config_from_dict({}, [old])
+    assert "train.accumulation_steps" in str(e.value)
+    assert "pipeline.stage_microbatches" in str(e.value)
+    cfg = config_from_dict({}, ["train.accumulation_steps=2", "pipeline.stage_microbatches=2"])
+    assert (cfg.train.accumulation_steps, cfg.pipeline.stage_microbatches) == (2, 2)
 
 
 def test_yaml_file_errors(tmp_path):

@@ -34,7 +34,7 @@ TOKENS = np.random.default_rng(0).integers(0, 256, (16, 17)).astype(np.int32)
 def _model(mesh_cfg, pipeline_microbatches=1, dispatcher="dense", devices=None):
     """(loss(params, remat) -> (loss, aux), initial state) of BASE on this mesh."""
     cfg = config_from_dict({**BASE, "mesh": mesh_cfg,
-                            "pipeline": {"microbatches": pipeline_microbatches},
+                            "pipeline": {"stage_microbatches": pipeline_microbatches},
                             "moe": {**BASE["moe"], "dispatcher": dispatcher}})
     n = mesh_cfg.get("data", 1) * mesh_cfg.get("stage", 1) * mesh_cfg.get("expert", 1)
     mesh = make_mesh(cfg.mesh, devices or jax.devices()[:n])
@@ -125,7 +125,7 @@ def test_pipeline_remat_equals_no_remat_and_keeps_only_the_buffers():
 
 def test_pipeline_train_step_matches_and_zero1_applies(sequential):
     cfg = config_from_dict({**BASE, "mesh": {"data": 2, "stage": 2, "expert": 2},
-                            "pipeline": {"microbatches": 2},
+                            "pipeline": {"stage_microbatches": 2},
                             "moe": {**BASE["moe"], "dispatcher": "alltoall"}})
     steps = build_steps(cfg, make_mesh(cfg.mesh))
     state = steps.init(jax.random.PRNGKey(0))
@@ -145,8 +145,8 @@ def test_pipeline_config_errors():
                                    "mesh": {"data": 1, "stage": -1}})
     with pytest.raises(ConfigError, match="^mesh.stage: 3 MoE layers do not split into 8"):
         build_steps(open_stage, make_mesh(open_stage.mesh))
-    with pytest.raises(ConfigError, match="^pipeline.microbatches"):
-        config_from_dict({**BASE, "pipeline": {"microbatches": 3}})
+    with pytest.raises(ConfigError, match="^pipeline.stage_microbatches"):
+        config_from_dict({**BASE, "pipeline": {"stage_microbatches": 3}})
 
 
 def test_bubble_fraction():
@@ -164,7 +164,7 @@ def test_stage_major_layouts_equal_sequential(stages, virtual, dispatcher, exper
     raw = {**BASE, "model": {**BASE["model"], "num_layers": moe_layers + 1},
            "moe": {**BASE["moe"], "dispatcher": dispatcher, "expert_precision": precision},
            "mesh": {"data": 8 // stages // expert, "stage": stages, "expert": expert},
-           "pipeline": {"microbatches": 4, "schedule": schedule, "virtual_stages": virtual}}
+           "pipeline": {"stage_microbatches": 4, "schedule": schedule, "virtual_stages": virtual}}
     cfg = config_from_dict(raw)
     assert cfg.moe_layer_slots == 8
     mesh = make_mesh(cfg.mesh)

@@ -19,19 +19,25 @@ BASE = {
     # global balance scope: the loss must not depend on how the batch is split
     "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32, "capacity_factor": 4.0,
             "shared_expert_hidden": 16, "balance_scope": "global"},
-    "train": {"steps": 10, "batch_size": 16, "seq_len": 16, "microbatches": 2},
+    "train": {"steps": 10, "batch_size": 16, "seq_len": 16, "accumulation_steps": 2},
     # no clip: the first step's first moment is then exactly (1 - b1) x the gradient
     "optimizer": {"warmup_steps": 0, "learning_rate": 1e-2, "grad_clip": 0.0},
 }
 LR, B1, STEPS = 1e-2, 0.9, 2
 
 
-def _cfg(mesh=None, microbatches=2, dtype="float32", **moe):
+def _cfg(mesh=None, accumulation=2, dtype="float32", pipeline=None, **moe):
     # every micro-batch splits over 8 devices
-    train = {**BASE["train"], "microbatches": microbatches, "batch_size": max(16, 8 * microbatches)}
+    train = {**BASE["train"], "accumulation_steps": accumulation,
+             "batch_size": max(16, 8 * accumulation)}
+    model = {**BASE["model"], "compute_dtype": dtype}
+    if pipeline is not None:
+        # 4 MoE layers, for 2 stages (x 2 virtual stages); per-sequence balance
+        # statistics, so the loss does not depend on how a pipeline cuts the batch
+        model["num_layers"] = 5
+        moe = {"balance_scope": "sequence", **moe}
     return config_from_dict({**BASE, "moe": {**BASE["moe"], **moe}, "mesh": mesh or {"data": 1},
-                             "train": train,
-                             "model": {**BASE["model"], "compute_dtype": dtype}})
+                             "train": train, "model": model, "pipeline": pipeline or {}})
 
 
 def _batches(n=STEPS, rows=16):
@@ -39,10 +45,13 @@ def _batches(n=STEPS, rows=16):
     return [rng.integers(0, 256, (rows, 17), dtype=np.int32) for _ in range(n)]
 
 
-def _run(cfg, devices):
-    """Two steps: (initial params, first step's gradients, final state, losses, grad norms)."""
+def _run(cfg, devices, params=None):
+    """Two steps: (initial params, first step's gradients, final state, losses, grad norms).
+    params: initial parameters to start from instead of the seed's."""
     steps = build_steps(cfg, make_mesh(cfg.mesh, devices))
     state = steps.init(jax.random.PRNGKey(0))
+    if params is not None:
+        state = state._replace(params=jax.device_put(params, steps.state_shardings.params))
     initial = jax.device_get(state.params)
     losses, norms, first_grads = [], [], None
     for b in _batches(rows=cfg.train.batch_size):
@@ -60,13 +69,13 @@ def reference():
     so the count changes the gradient)."""
     runs = {}
 
-    def get(microbatches):
-        if microbatches not in runs:
-            initial, grads, state, losses, norms = _run(_cfg(microbatches=microbatches,
+    def get(accumulation):
+        if accumulation not in runs:
+            initial, grads, state, losses, norms = _run(_cfg(accumulation=accumulation,
                                                              dispatcher="dense"),
                                                         jax.devices()[:1])
-            runs[microbatches] = initial, grads, jax.device_get(state.params), losses, norms
-        return runs[microbatches]
+            runs[accumulation] = initial, grads, jax.device_get(state.params), losses, norms
+        return runs[accumulation]
 
     return get
 
@@ -80,7 +89,20 @@ def _grads_close(got, want):
     jax.tree.map(close, got, want)
 
 
-@pytest.mark.parametrize("mesh, dispatcher, microbatches", [
+def _first_step_matches(got, want):
+    """Loss, norm and gradients of the first step (before Adam has turned last-bit
+    gradient differences into lr-sized parameter differences); the gradient check
+    has teeth: half or twice the reduction fails it."""
+    (grads, losses, norms), (want_grads, want_losses, want_norms) = got, want
+    np.testing.assert_allclose(losses[0], want_losses[0], rtol=1e-5)
+    np.testing.assert_allclose(norms[0], want_norms[0], rtol=1e-5)
+    _grads_close(grads, want_grads)
+    for wrong in (0.5, 2.0):
+        with pytest.raises(AssertionError):
+            _grads_close(jax.tree.map(lambda g: wrong * g, grads), want_grads)
+
+
+@pytest.mark.parametrize("mesh, dispatcher, accumulation", [
     ({"data": 2, "expert": 4, "parallelism": "ddp"}, "alltoall", 2),
     ({"data": 2, "expert": 4, "parallelism": "ddp"}, "alltoall", 1),
     ({"data": 2, "expert": 4, "parallelism": "ddp", "zero1": False}, "alltoall", 2),
@@ -89,20 +111,12 @@ def _grads_close(got, want):
     ({"data": 8, "parallelism": "ddp"}, "grouped", 2),
     ({"data": 8, "parallelism": "ddp", "zero1": False}, "grouped", 4),
 ])
-def test_sharded_step_equals_single_device(reference, mesh, dispatcher, microbatches):
-    ref_initial, ref_grads, ref_params, ref_losses, ref_norms = reference(microbatches)
+def test_sharded_step_equals_single_device(reference, mesh, dispatcher, accumulation):
+    ref_initial, ref_grads, ref_params, ref_losses, ref_norms = reference(accumulation)
     initial, grads, state, losses, norms = _run(
-        _cfg(mesh, microbatches, dispatcher=dispatcher), jax.devices())
+        _cfg(mesh, accumulation, dispatcher=dispatcher), jax.devices())
     chex.assert_trees_all_equal(initial, ref_initial)
-    # the first step's loss, before Adam has turned last-bit gradient differences
-    # into lr-sized parameter differences (bounded below)
-    np.testing.assert_allclose(losses[0], ref_losses[0], rtol=1e-5)
-    np.testing.assert_allclose(norms[0], ref_norms[0], rtol=1e-5)
-    _grads_close(grads, ref_grads)
-    # the gradient check has teeth: half or twice the reduction fails it
-    for wrong in (0.5, 2.0):
-        with pytest.raises(AssertionError):
-            _grads_close(jax.tree.map(lambda g: wrong * g, grads), ref_grads)
+    _first_step_matches((grads, losses, norms), (ref_grads, ref_losses, ref_norms))
     # Adam moves a weight by about lr per step whatever its gradient's size, so a
     # near-zero gradient whose last bits differ can move it by up to 2 lr the
     # other way: parameters can differ by 2 lr per step, and no more.
@@ -110,17 +124,61 @@ def test_sharded_step_equals_single_device(reference, mesh, dispatcher, microbat
     chex.assert_trees_all_close(params, ref_params, rtol=0, atol=2 * LR * STEPS)
 
 
+def _in_model_order(tree, cfg):
+    """A stored-layout tree (a pipeline's: by stage, maybe padded) in model order."""
+    from jaxmoe.model.transformer import stored_layer_order
+    keep = np.argsort(stored_layer_order(cfg))[: cfg.num_moe_layers]
+    return jax.tree_util.tree_map_with_path(
+        lambda p, a: a[keep] if "'moe_layers'" in jax.tree_util.keystr(p) else a, tree)
+
+
+PIPE = {"data": 2, "stage": 2, "expert": 2}
+GPIPE = {"stage_microbatches": 2}
+CIRCULAR = {"stage_microbatches": 2, "schedule": "circular", "virtual_stages": 2}
+
+
+def _pipeline_and_reference(pipeline, accumulation, dispatcher, dtype="float32", zero1=True):
+    """The ddp step with pipeline stages on (data 2, stage 2, expert 2), and one
+    device running the same model (from the same initial weights, in model order)
+    without stages; first-step gradients in model order."""
+    cfg = _cfg({**PIPE, "zero1": zero1}, accumulation, dtype, pipeline, dispatcher=dispatcher)
+    initial, grads, _, losses, norms = _run(cfg, jax.devices())
+    one = _cfg(None, accumulation, dtype, pipeline={}, dispatcher="dense")
+    _, want, _, want_losses, want_norms = _run(one, jax.devices()[:1],
+                                               params=_in_model_order(initial, cfg))
+    return cfg, (_in_model_order(grads, cfg), losses, norms), (want, want_losses, want_norms)
+
+
+@pytest.mark.parametrize("pipeline, accumulation, dispatcher, zero1", [
+    (GPIPE, 1, "alltoall", True),
+    (CIRCULAR, 4, "ragged", False),
+])
+def test_ddp_pipeline_step_equals_single_device(pipeline, accumulation, dispatcher, zero1):
+    """Stages run per device, the activations shifted by a ppermute: the gradients
+    (in model order) and the norm are one device's."""
+    cfg, got, want = _pipeline_and_reference(pipeline, accumulation, dispatcher, zero1=zero1)
+    if pipeline is CIRCULAR:  # teeth: stored by device, not in model order
+        from jaxmoe.model.transformer import stored_layer_order
+        assert list(stored_layer_order(cfg)) == [0, 2, 1, 3]
+    _first_step_matches(got, want)
+
+
 @pytest.mark.parametrize("mesh, dispatcher", [
     ({"data": 2, "expert": 4, "parallelism": "ddp"}, "ragged"),
     ({"data": 8, "parallelism": "ddp", "zero1": False}, "grouped"),
+    (PIPE, "alltoall"),  # with GPipe stages
 ])
 def test_bf16_ddp_step_equals_single_device(mesh, dispatcher):
     """bf16 compute: the per-device step (ZeRO-1 shards of fp32 masters, gathered
     as bf16) against one device computing in bf16."""
-    _, want, _, want_losses, want_norms = _run(_cfg(None, 4, dtype="bfloat16", dispatcher="dense"),
-                                               jax.devices()[:1])
-    _, got, _, losses, norms = _run(_cfg(mesh, 4, dtype="bfloat16", dispatcher=dispatcher),
-                                    jax.devices())
+    if mesh is PIPE:
+        _, (got, losses, norms), (want, want_losses, want_norms) = _pipeline_and_reference(
+            GPIPE, 4, dispatcher, dtype="bfloat16")
+    else:
+        _, want, _, want_losses, want_norms = _run(
+            _cfg(None, 4, dtype="bfloat16", dispatcher="dense"), jax.devices()[:1])
+        _, got, _, losses, norms = _run(_cfg(mesh, 4, dtype="bfloat16", dispatcher=dispatcher),
+                                        jax.devices())
     # bf16 rounds to 2^-8 relative; two orders of the same bf16 sums differ by a few
     # of those units of a tensor's largest terms (8 allowed: 3%), a factor 2 by 100%
     u = 2.0 ** -8
@@ -136,8 +194,9 @@ def test_bf16_ddp_step_equals_single_device(mesh, dispatcher):
             jax.tree.map(lambda g, w: close(g, w, wrong), got, want)
 
 
-def _compiled_step(mesh, microbatches, dispatcher="alltoall"):
-    cfg = _cfg(mesh, microbatches, dispatcher=dispatcher, balance_scope="microbatch")
+def _compiled_step(mesh, accumulation, dispatcher="alltoall", pipeline=None):
+    cfg = _cfg(mesh, accumulation, dispatcher=dispatcher, pipeline=pipeline,
+               balance_scope="microbatch")
     steps = build_steps(cfg, make_mesh(cfg.mesh))
     state = abstract_target(steps)
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, 17), jnp.int32,
@@ -165,6 +224,19 @@ def test_ddp_reduces_gradients_once_per_step():
     assert in_loops(fsdp[2]) > 0
     runs = lambda t: t["all-reduce"].runs + t["reduce-scatter"].runs  # noqa: E731
     assert runs(fsdp[8]) > runs(fsdp[2])
+
+
+def test_ddp_pipeline_reduces_gradients_once_per_step():
+    """With stages the activations move between them by collective-permute inside
+    the pipeline loop, and still no gradient is reduced there."""
+    ddp = {A: _compiled_step({**PIPE, "parallelism": "ddp"}, A, pipeline=CIRCULAR)
+           for A in (2, 8)}
+    for t in ddp.values():
+        for kind in ("all-reduce", "reduce-scatter", "all-gather"):
+            assert t[kind].ops_in_loops == 0, (kind, t[kind])
+        assert t["collective-permute"].ops_in_loops > 0  # the stage shift
+    for kind in ("all-reduce", "reduce-scatter"):
+        assert ddp[2][kind].runs == ddp[8][kind].runs and ddp[2][kind].bytes == ddp[8][kind].bytes
 
 
 def _leaf(state, *path):
@@ -220,7 +292,7 @@ def test_no_host_transfer_in_steady_state():
     ({"data": 3}, {}, {}, "mesh"),
     ({"data": 1, "expert": 16}, {"num_experts": 16}, {}, "mesh"),
     ({"data": 2, "expert": 4}, {"num_experts": 6}, {}, "moe.num_experts"),
-    ({"data": 8}, {}, {"batch_size": 12, "microbatches": 1}, "train.batch_size"),
+    ({"data": 8}, {}, {"batch_size": 12, "accumulation_steps": 1}, "train.batch_size"),
     ({"data": 2, "expert": 4, "parallelism": "tp"}, {}, {}, "mesh.parallelism"),
 ])
 def test_bad_parallel_config(mesh, moe, train, key):
@@ -255,10 +327,10 @@ def test_bf16_compute_keeps_sharded_fp32_master(reference):
 def test_accumulated_step_equals_one_whole_batch_step():
     """Two micro-batches of 8 give the whole batch's mean gradient (with the router
     losses off, since those are not linear in the batch)."""
-    def params_after(microbatches, batch):
+    def params_after(accumulation, batch):
         cfg = config_from_dict({**BASE, "moe": {**BASE["moe"], "dispatcher": "dense",
                                                 "balance_loss_weight": 0.0, "z_loss_weight": 0.0},
-                                "train": {**BASE["train"], "microbatches": microbatches}})
+                                "train": {**BASE["train"], "accumulation_steps": accumulation}})
         steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
         state, metrics = steps.train_step(steps.init(jax.random.PRNGKey(0)), batch)
         return jax.device_get(state.params), float(metrics["loss"]), float(metrics["grad_norm"])

@@ -21,7 +21,7 @@ SMALL = {
               "num_dense_layers": 1, "mlp_hidden": 128},
     "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 64},
     "train": {"steps": 60, "batch_size": 16, "seq_len": 64, "eval_every": 0, "eval_batches": 4,
-              "microbatches": 2},
+              "accumulation_steps": 2},
     "optimizer": {"learning_rate": 3e-3, "warmup_steps": 5},
     "checkpoint": {"every": 30},
     "logging": {"log_every": 10, "progress": False},

@@ -1,30 +1,34 @@
 """Where the model runs: the one object that turns a mesh into what the model does.
 
 The model never sees the mesh. It takes a layout (or None: one device, local
-dispatchers) and asks it four things: pin activations to the batch split, run
-an MoE layer's dispatch, total a per-shard router statistic over the batch, and
-run the stacked MoE layers (a scan, or a pipeline over `stage`).
+dispatchers) and asks it five things: pin activations to the batch split, run
+an MoE layer's dispatch, total a per-shard router statistic over the batch, run
+the stacked MoE layers (a scan, or a pipeline over `stage`), and weigh the
+loss it computed (with pipeline stages, only the last stage's output counts).
 
 - `GlobalLayout`: the model sees global arrays and XLA partitions the program
   (fsdp, eval, the pure-function API with `mesh=`). Expert-parallel dispatchers
   open their own `shard_map`.
 - `DeviceLayout`: the model runs inside the ddp step's `shard_map` on one
-  device's rows, its dense replicas and its slice of the experts; dispatchers
-  are called as per-device functions whose collectives name the `expert` axis.
+  device's rows, its dense replicas and its slice of the experts (and, with
+  pipeline stages, its stage's layers); dispatchers are called as per-device
+  functions whose collectives name the `expert` axis.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxmoe import sharding
 from jaxmoe.config import Config, ConfigError, MoEConfig
 from jaxmoe.model.dispatch import LOCAL_DISPATCHERS, Dispatched, get_dispatcher
-from jaxmoe.model.transformer import scan_layers
+from jaxmoe.model.transformer import scan_layers, stored_layer_order
 from jaxmoe.parallel import ep_dispatch
-from jaxmoe.parallel.pipeline import pipeline
+from jaxmoe.parallel.pipeline import device_pipeline, pipeline
 from jaxmoe.sharding import BATCH_AXES
 
 
@@ -65,6 +69,14 @@ class GlobalLayout:
         """A statistic summed over this program's tokens is already global."""
         return x
 
+    def ce_share(self, ce: jax.Array) -> jax.Array:
+        """The part of the cross-entropy this program contributes: all of it."""
+        return ce
+
+    def stored_slots(self) -> np.ndarray | jax.Array:
+        """Model-order index of each MoE slot this program holds (all of them)."""
+        return stored_layer_order(self.cfg)
+
     def dispatch(self, x_TxD, routing, weights, cfg: MoEConfig) -> Dispatched:
         return dispatch_on_mesh(x_TxD, routing, weights, cfg, self.mesh)
 
@@ -74,7 +86,7 @@ class GlobalLayout:
         if self.mesh.shape["stage"] > 1:
             pipe = self.cfg.pipeline
             return pipeline(model.moe_layers, x_BxLxD, positions_BxL, self, key, remat,
-                            pipe.microbatches, pipe.virtual_stages, self.cfg.num_moe_layers)
+                            pipe.stage_microbatches, pipe.virtual_stages, self.cfg.num_moe_layers)
         graphdef, state = model.moe_stack()
         return scan_layers(graphdef, state, x_BxLxD, positions_BxL, self, key, remat)
 
@@ -86,9 +98,6 @@ class DeviceLayout(GlobalLayout):
         super().__init__(mesh, cfg)
         if cfg.num_moe_layers:
             ep_dispatch.prepare(cfg.moe.dispatcher, mesh)
-        if mesh.shape["stage"] > 1:
-            raise ConfigError("mesh.stage: the per-device ddp step runs without pipeline "
-                              "stages; pipelines run in the auto-sharded step")
         if cfg.num_moe_layers and cfg.moe.dispatcher in LOCAL_DISPATCHERS \
                 and mesh.shape["expert"] > 1:
             raise ConfigError(f"moe.dispatcher: {cfg.moe.dispatcher!r} runs every expert on "
@@ -108,7 +117,23 @@ class DeviceLayout(GlobalLayout):
         return ep_dispatch.PER_DEVICE[cfg.dispatcher](
             x_TxD, routing.expert_TxK, routing.gate_TxK, weights, cfg, self.mesh.shape["expert"])
 
+    def ce_share(self, ce: jax.Array) -> jax.Array:
+        """With pipeline stages only the last stage holds the model's output."""
+        S = self.mesh.shape["stage"]
+        return ce if S == 1 else jnp.where(lax.axis_index("stage") == S - 1, ce, 0.0)
+
+    def stored_slots(self) -> np.ndarray | jax.Array:
+        """This device's MoE slots: its stage's row of the stored layout."""
+        order = stored_layer_order(self.cfg)
+        S = self.mesh.shape["stage"]
+        return order if S == 1 else jnp.asarray(order.reshape(S, -1))[lax.axis_index("stage")]
+
     def run_moe_stack(self, model, x_BxLxD, positions_BxL, key, remat: str):
+        if self.mesh.shape["stage"] > 1:
+            pipe = self.cfg.pipeline
+            return device_pipeline(model.moe_layers, x_BxLxD, positions_BxL, self, key, remat,
+                                   pipe.stage_microbatches, pipe.virtual_stages,
+                                   self.cfg.num_moe_layers)
         graphdef, state = model.moe_stack()
         return scan_layers(graphdef, state, x_BxLxD, positions_BxL, self, key, remat)
 

@@ -21,6 +21,12 @@ Router statistics of iterations where a stage holds no real micro-batch are
 masked out, so every MoE layer's losses and loads are those of the real data.
 A layer count that does not split evenly is padded with pass-through slots at
 the end of the model (`Config.moe_layer_slots`), masked the same way.
+
+`pipeline` is that program on global arrays (XLA partitions it: fsdp, eval,
+the API); `device_pipeline` is the same schedule written for one device inside
+the ddp step's `shard_map`: the device runs only its own stage, and the shift
+to the next stage is an explicit cyclic `ppermute` over `stage` whose
+transpose carries the cotangents back, so no gradient is reduced in the loop.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax import lax
 
 from jaxmoe.model.transformer import REMAT_POLICIES, layer_order, scan_layers
 from jaxmoe.sharding import BATCH_AXES
@@ -105,3 +113,71 @@ def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatche
     for mean_key in ("balance_loss", "z_loss"):
         aux[mean_key] = aux[mean_key] / M
     return y_BxLxD, aux
+
+
+def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, microbatches: int,
+                    virtual_stages: int = 1, num_layers: int | None = None):
+    """One device's share of `pipeline`, inside a `shard_map` over every mesh axis.
+
+    stack: this device's stored slots (its V chunks of `per` layers, device-major);
+    x: its own rows. Returns (x, aux): x is the model's output on the last stage
+    (the only stage whose loss counts: `DeviceLayout.ce_share`), and aux holds
+    this stage's layers at their model-order positions and zeros elsewhere, so
+    sums over `stage` give every layer once.
+    """
+    mesh = layout.mesh
+    S, M, V = mesh.shape["stage"], microbatches, virtual_stages
+    s = lax.axis_index("stage")
+    graphdef, state = nnx.split(stack)
+    per = jax.tree.leaves(state)[0].shape[0] // V
+    Lm = S * V * per
+    chunks = jax.tree.map(lambda a: a.reshape(V, per, *a.shape[1:]), state)
+    real = Lm if num_layers is None else num_layers
+    active_Vxper = jnp.asarray(layer_order(Lm, S, V).reshape(S, V, per) < real)[s]
+    b, L, D = x_bxLxD.shape
+    # the same strided split as `pipeline`
+    store_MxmxLxD = x_bxLxD.reshape(b // M, M, L, D).swapaxes(0, 1)
+    positions_mxL = positions_bxL[: b // M]
+    to_next = [(i, (i + 1) % S) for i in range(S)]
+
+    def iteration(carry, t):
+        inbox_mxLxD, store = carry
+        # Stage 0 files the last stage's output of copy t - S (it arrived in the
+        # inbox) as the next round's input, then takes copy t's input.
+        arrived = t - S
+        filed = jnp.where((s == 0) & (arrived >= 0),
+                          inbox_mxLxD, lax.dynamic_index_in_dim(store, arrived % M, keepdims=False))
+        store = lax.dynamic_update_index_in_dim(store, filed, arrived % M, 0)
+        fresh = lax.dynamic_index_in_dim(store, t % M, keepdims=False)
+        x_in = jnp.where(s == 0, fresh, inbox_mxLxD)
+        copy = t - s
+        valid = (copy >= 0) & (copy < V * M)
+        round_ = jnp.clip(copy // M, 0, V - 1)
+        pick = lambda a: lax.dynamic_index_in_dim(a, round_, keepdims=False)  # noqa: E731
+        k = None if key is None else jax.random.split(jax.random.fold_in(key, t), S)[s]
+        out_mxLxD, aux = scan_layers(graphdef, jax.tree.map(pick, chunks), x_in, positions_mxL,
+                                     layout, k, remat,
+                                     active_N=None if real == Lm else pick(active_Vxper))
+        aux = jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), aux)
+        # The last stage keeps its outputs: after the final round, the model's output.
+        kept = jnp.where((s == S - 1) & valid, out_mxLxD,
+                         lax.dynamic_index_in_dim(store, copy % M, keepdims=False))
+        store = lax.dynamic_update_index_in_dim(store, kept, copy % M, 0)
+        return (lax.ppermute(out_mxLxD, "stage", to_next), store), (aux, round_)
+
+    if remat != "none":  # else every iteration would keep its chunk's sliced weights
+        iteration = jax.checkpoint(iteration, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    init = (jnp.zeros_like(store_MxmxLxD[0]), store_MxmxLxD)
+    (_, store), (aux, round_T) = lax.scan(iteration, init, jnp.arange(V * M + S - 1))
+    y_bxLxD = store.swapaxes(0, 1).reshape(b, L, D)
+
+    def per_layer(a_Txper):  # -> this stage's (round, layer) slots -> model order
+        own = jnp.zeros((V,) + a_Txper.shape[1:], a_Txper.dtype).at[round_T].add(a_Txper)
+        every = jnp.zeros((S,) + own.shape, own.dtype)
+        every = lax.dynamic_update_index_in_dim(every, own, s, 0)
+        return every.swapaxes(0, 1).reshape((Lm,) + a_Txper.shape[2:])[:real]
+
+    aux = jax.tree.map(per_layer, aux)
+    for mean_key in ("balance_loss", "z_loss"):
+        aux[mean_key] = aux[mean_key] / M
+    return y_bxLxD, aux
