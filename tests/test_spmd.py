@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxmoe.checkpoint import abstract_target
-from jaxmoe.config import ConfigError, MeshConfig, config_from_dict
+from jaxmoe.config import ConfigError, MeshConfig, config_from_dict, override_config
 from jaxmoe.parallel.collectives import compiled_collective_bytes, compiled_collectives, totals
 from jaxmoe.sharding import fraction_per_device, make_mesh, per_device_shapes
 from jaxmoe.step import build_steps
@@ -137,11 +137,14 @@ GPIPE = {"stage_microbatches": 2}
 CIRCULAR = {"stage_microbatches": 2, "schedule": "circular", "virtual_stages": 2}
 
 
-def _pipeline_and_reference(pipeline, accumulation, dispatcher, dtype="float32", zero1=True):
+def _pipeline_and_reference(pipeline, accumulation, dispatcher, dtype="float32", zero1=True,
+                            loss_chunk=0, remat="none"):
     """The ddp step with pipeline stages on (data 2, stage 2, expert 2), and one
     device running the same model (from the same initial weights, in model order)
-    without stages; first-step gradients in model order."""
-    cfg = _cfg({**PIPE, "zero1": zero1}, accumulation, dtype, pipeline, dispatcher=dispatcher)
+    without stages, chunked loss or remat; first-step gradients in model order."""
+    cfg = override_config(_cfg({**PIPE, "zero1": zero1}, accumulation, dtype, pipeline,
+                               dispatcher=dispatcher),
+                          [f"train.loss_chunk={loss_chunk}", f"train.remat={remat}"])
     initial, grads, _, losses, norms = _run(cfg, jax.devices())
     one = _cfg(None, accumulation, dtype, pipeline={}, dispatcher="dense")
     _, want, _, want_losses, want_norms = _run(one, jax.devices()[:1],
@@ -149,14 +152,17 @@ def _pipeline_and_reference(pipeline, accumulation, dispatcher, dtype="float32",
     return cfg, (_in_model_order(grads, cfg), losses, norms), (want, want_losses, want_norms)
 
 
-@pytest.mark.parametrize("pipeline, accumulation, dispatcher, zero1", [
-    (GPIPE, 1, "alltoall", True),
-    (CIRCULAR, 4, "ragged", False),
+@pytest.mark.parametrize("pipeline, accumulation, dispatcher, zero1, loss_chunk, remat", [
+    (GPIPE, 1, "alltoall", True, 0, "full"),
+    (CIRCULAR, 4, "ragged", False, 8, "none"),
 ])
-def test_ddp_pipeline_step_equals_single_device(pipeline, accumulation, dispatcher, zero1):
+def test_ddp_pipeline_step_equals_single_device(pipeline, accumulation, dispatcher, zero1,
+                                                loss_chunk, remat):
     """Stages run per device, the activations shifted by a ppermute: the gradients
-    (in model order) and the norm are one device's."""
-    cfg, got, want = _pipeline_and_reference(pipeline, accumulation, dispatcher, zero1=zero1)
+    (in model order) and the norm are one device's (whose loss is not chunked nor
+    recomputed)."""
+    cfg, got, want = _pipeline_and_reference(pipeline, accumulation, dispatcher, zero1=zero1,
+                                             loss_chunk=loss_chunk, remat=remat)
     if pipeline is CIRCULAR:  # teeth: stored by device, not in model order
         from jaxmoe.model.transformer import stored_layer_order
         assert list(stored_layer_order(cfg)) == [0, 2, 1, 3]

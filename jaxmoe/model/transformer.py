@@ -200,5 +200,7 @@ class Transformer(nnx.Module):
         n = L // chunk
         xs = (x_BxLxD.reshape(B, n, chunk, D).swapaxes(0, 1),
               targets_BxL.reshape(B, n, chunk).swapaxes(0, 1))
-        total, _ = jax.lax.scan(chunk_ce, jnp.zeros((), jnp.float32), xs)
+        # a zero that varies over the same mesh axes as x (inside the ddp step)
+        zero = jnp.zeros_like(x_BxLxD[0, 0, 0], dtype=jnp.float32)
+        total, _ = jax.lax.scan(chunk_ce, zero, xs)
         return total / (B * L)

@@ -140,6 +140,16 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
     positions_mxL = positions_bxL[: b // M]
     to_next = [(i, (i + 1) % S) for i in range(S)]
 
+    def stage_fn(chunks_V, round_, x_in, k):
+        pick = lambda a: lax.dynamic_index_in_dim(a, round_, keepdims=False)  # noqa: E731
+        return scan_layers(graphdef, jax.tree.map(pick, chunks_V), x_in, positions_mxL,
+                           layout, k, remat, active_N=None if real == Lm else pick(active_Vxper))
+
+    # Only the stage's computation is recomputed: checkpointing the whole iteration
+    # would keep the carried store, [M, b/M, L, D], once per iteration.
+    if remat != "none":  # else every iteration would keep its chunk's sliced weights
+        stage_fn = jax.checkpoint(stage_fn, policy=REMAT_POLICIES[remat], prevent_cse=False)
+
     def iteration(carry, t):
         inbox_mxLxD, store = carry
         # Stage 0 files the last stage's output of copy t - S (it arrived in the
@@ -153,11 +163,8 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
         copy = t - s
         valid = (copy >= 0) & (copy < V * M)
         round_ = jnp.clip(copy // M, 0, V - 1)
-        pick = lambda a: lax.dynamic_index_in_dim(a, round_, keepdims=False)  # noqa: E731
         k = None if key is None else jax.random.split(jax.random.fold_in(key, t), S)[s]
-        out_mxLxD, aux = scan_layers(graphdef, jax.tree.map(pick, chunks), x_in, positions_mxL,
-                                     layout, k, remat,
-                                     active_N=None if real == Lm else pick(active_Vxper))
+        out_mxLxD, aux = stage_fn(chunks, round_, x_in, k)
         aux = jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), aux)
         # The last stage keeps its outputs: after the final round, the model's output.
         kept = jnp.where((s == S - 1) & valid, out_mxLxD,
@@ -165,8 +172,6 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
         store = lax.dynamic_update_index_in_dim(store, kept, copy % M, 0)
         return (lax.ppermute(out_mxLxD, "stage", to_next), store), (aux, round_)
 
-    if remat != "none":  # else every iteration would keep its chunk's sliced weights
-        iteration = jax.checkpoint(iteration, policy=REMAT_POLICIES[remat], prevent_cse=False)
     init = (jnp.zeros_like(store_MxmxLxD[0]), store_MxmxLxD)
     (_, store), (aux, round_T) = lax.scan(iteration, init, jnp.arange(V * M + S - 1))
     y_bxLxD = store.swapaxes(0, 1).reshape(b, L, D)
