@@ -225,6 +225,26 @@ def test_expert_bias_update_lands_on_the_stored_slot():
     np.testing.assert_array_equal(new[others], 0)  # balanced layers and the pad stay put
 
 
+def test_each_stage_device_holds_its_row_of_the_stored_slots():
+    """Inside the ddp step the bias update reads each device's own slots: stage s
+    holds row s of the stored layout (circular and padded here)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxmoe.model.transformer import stored_layer_order
+    from jaxmoe.parallel.layout import DeviceLayout
+    cfg = config_from_dict({**BASE, "model": {**BASE["model"], "num_layers": 8},
+                            "mesh": {"data": 2, "stage": 2, "expert": 2},
+                            "moe": {**BASE["moe"], "dispatcher": "alltoall"},
+                            "pipeline": {"stage_microbatches": 2, "schedule": "circular",
+                                         "virtual_stages": 2}})
+    mesh = make_mesh(cfg.mesh)
+    layout = DeviceLayout(mesh, cfg)
+    slots = jax.jit(jax.shard_map(layout.stored_slots, mesh=mesh, in_specs=(),
+                                  out_specs=P("stage")))()
+    assert list(stored_layer_order(cfg)) == [0, 1, 4, 5, 2, 3, 6, 7]  # 7 layers + 1 pad
+    np.testing.assert_array_equal(slots, stored_layer_order(cfg))
+
+
 def test_layer_order_is_device_major():
     from jaxmoe.parallel.pipeline import layer_order
     assert list(layer_order(8, 2, 2)) == [0, 1, 4, 5, 2, 3, 6, 7]
