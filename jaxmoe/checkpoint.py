@@ -14,8 +14,10 @@ one as the latest.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -105,15 +107,23 @@ def _take_layers(tree, source, shardings=None):
         outs = [_fit(a.sharding, len(source)) for a, m in zip(leaves, moe) if m]
     else:
         outs = [s for s, m in zip(jax.tree.leaves(shardings), moe) if m]
-    pad = source < 0
+    taken = iter(_taker(tuple(int(i) for i in source), tuple(outs))(
+        [a for a, m in zip(leaves, moe) if m]))
+    return jax.tree.unflatten(jax.tree.structure(tree),
+                              [next(taken) if m else a for a, m in zip(leaves, moe)])
+
+
+@functools.lru_cache(maxsize=8)
+def _taker(source: tuple[int, ...], out_shardings: tuple) -> Callable:
+    """The compiled gather of `_take_layers`, one per layout change (a run saves
+    many times with the same one)."""
+    index, pad = np.maximum(np.array(source), 0), np.array(source) < 0
 
     def take(arrays):
         return [jnp.where(pad.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.zeros((), a.dtype),
-                          a[np.maximum(source, 0)]) for a in arrays]
+                          a[index]) for a in arrays]
 
-    taken = iter(jax.jit(take, out_shardings=outs)([a for a, m in zip(leaves, moe) if m]))
-    return jax.tree.unflatten(jax.tree.structure(tree),
-                              [next(taken) if m else a for a, m in zip(leaves, moe)])
+    return jax.jit(take, out_shardings=list(out_shardings))
 
 
 def to_model_order(state, cfg: Config):

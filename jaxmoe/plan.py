@@ -102,7 +102,7 @@ def plan(config_path: str, overrides: list[str], device: str, mfu: float) -> dic
     return {
         "config": config_path, "mesh": dict(mesh.shape), "devices": n, "device": device,
         "parallelism": cfg.mesh.parallelism, "dispatcher": cfg.moe.dispatcher,
-        "step_program": "per-device" if uses_per_device_step(cfg, mesh) else "auto-sharded",
+        "step_program": "per-device" if uses_per_device_step(cfg) else "auto-sharded",
         "params_total": counts.total, "params_active": counts.active,
         "bytes_per_device": {"parameters": params, "optimizer_state": opt, "gradients": grads,
                              "activations_and_temporaries": mem.temp_size_in_bytes,

@@ -59,7 +59,7 @@ def abstract_model(cfg: Config) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     return nnx.split(model, nnx.Param, ...)
 
 
-def state_shardings(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation,
+def state_shardings(cfg: Config, layout: GlobalLayout, tx: optax.GradientTransformation,
                     abs_params: nnx.State, abs_buffers: nnx.State) -> TrainState:
     """Where each part of the state lives.
 
@@ -67,33 +67,16 @@ def state_shardings(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation,
     compute the fp32 master weights are split the same way and a bf16 working
     copy is gathered inside the step.
     """
-    rules = sharding.RULES[cfg.mesh.parallelism]
-    param_specs = compute_param_specs(cfg, abs_params)
-    zero1 = optimizer_param_specs(cfg, mesh, abs_params, param_specs)
+    param_specs = layout.param_specs(abs_params)
+    zero1 = layout.optimizer_specs(abs_params, param_specs)
     abs_opt = jax.eval_shape(tx.init, abs_params)
     opt_specs = optax.tree_map_params(
         tx, lambda _, spec: spec, abs_opt, zero1,
         transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
     if _sharded_master(cfg):
         param_specs = zero1
-    specs = TrainState(P(), param_specs, sharding.state_specs(abs_buffers, rules), opt_specs,
-                       P(), P())
-    return sharding.named(mesh, specs)
-
-
-def compute_param_specs(cfg: Config, abs_params: nnx.State) -> nnx.State:
-    """Where the parameters are used: the parallel mode's rules table."""
-    return sharding.state_specs(abs_params, sharding.RULES[cfg.mesh.parallelism])
-
-
-def optimizer_param_specs(cfg: Config, mesh: Mesh, abs_params: nnx.State,
-                          use: nnx.State) -> nnx.State:
-    """Where each parameter's optimizer state lives (`use`: where the parameter is
-    used): its ZeRO-1 split when on."""
-    if not cfg.mesh.zero1:
-        return use
-    return jax.tree.map(lambda p, s: sharding.zero1_spec(s, p.shape, mesh), abs_params, use,
-                        is_leaf=lambda x: isinstance(x, P))
+    specs = TrainState(P(), param_specs, layout.buffer_specs(abs_buffers), opt_specs, P(), P())
+    return sharding.named(layout.mesh, specs)
 
 
 def working_copy(cfg: Config, mesh: Mesh, params: nnx.State, specs: nnx.State) -> nnx.State:
@@ -295,7 +278,7 @@ def _sharded_master(cfg: Config) -> bool:
     return cfg.mesh.zero1 and cfg.model.compute_dtype != "float32"
 
 
-def uses_per_device_step(cfg: Config, mesh: Mesh) -> bool:
+def uses_per_device_step(cfg: Config) -> bool:
     """ddp trains with the per-device step, pipelines included."""
     return cfg.mesh.parallelism == "ddp"
 
@@ -303,14 +286,14 @@ def uses_per_device_step(cfg: Config, mesh: Mesh) -> bool:
 def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> Steps:
     """Compiles init, train and eval steps for `cfg` on `mesh` (see `make_loss_fn`
     for `loss_hook`)."""
-    sharding.check_divisibility(cfg, mesh)
+    layout = GlobalLayout(mesh, cfg)
+    layout.check_training()
     graphdef, abs_params, abs_buffers = abstract_model(cfg)
     tx = make_optimizer(cfg.optimizer, cfg.train.steps)
     lr_at = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
-    shardings = state_shardings(cfg, mesh, tx, abs_params, abs_buffers)
-    batch_sh = sharding.batch_sharding(mesh)
-    layout = GlobalLayout(mesh, cfg)
-    use_specs = compute_param_specs(cfg, abs_params)
+    shardings = state_shardings(cfg, layout, tx, abs_params, abs_buffers)
+    batch_sh = layout.batch_sharding
+    use_specs = layout.param_specs(abs_params)
     global_loss = make_loss_fn(cfg, graphdef, layout,
                                lambda p: working_copy(cfg, mesh, p, use_specs), loss_hook)
 
@@ -320,7 +303,7 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
         zero = jnp.zeros((), jnp.int32)
         return TrainState(zero, params, buffers, tx.init(params), key, zero)
 
-    if uses_per_device_step(cfg, mesh):
+    if uses_per_device_step(cfg):
         specs = jax.tree.map(lambda s: s.spec, shardings,
                              is_leaf=lambda x: isinstance(x, NamedSharding))
         device_layout = DeviceLayout(mesh, cfg)

@@ -115,11 +115,12 @@ def test_pipeline_remat_equals_no_remat_and_keeps_only_the_buffers():
         a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max())), remat_grads, grads)
     np.testing.assert_array_equal(remat_aux["counts_E"], aux["counts_E"])
     # and the programs differ as they should: with remat each of the M + S - 1 iterations
-    # keeps only its input buffers (stage buffer and micro-batch store), without it every
-    # intermediate of its layers
+    # keeps only its stages' input buffer (not the micro-batch store it carries) and a
+    # few indices and keys, without it every intermediate of its layers
     kept = _scan_residuals(loss, state.params, "full")
-    assert sorted(kept) == sorted([f"{M + S - 1},{S},{B // M},{L},{D}",
-                                   f"{M + S - 1},{M},{B // M},{L},{D}"])
+    T = M + S - 1
+    assert [k for k in kept if np.prod([int(n) for n in k.split(",")]) > 8 * T] == \
+        [f"{T},{S},{B // M},{L},{D}"]
     assert len(_scan_residuals(loss, state.params, "none")) > 10
 
 

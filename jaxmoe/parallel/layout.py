@@ -1,7 +1,9 @@
 """Where the model runs: the one object that turns a mesh into what the model does.
 
-The model never sees the mesh. It takes a layout (or None: one device, local
-dispatchers) and asks it five things: pin activations to the batch split, run
+The training step asks a layout where every tensor lives (the rules table of
+`mesh.parallelism`, ZeRO-1, the batch split) and checks the config against the
+mesh through it. The model never sees the mesh. It takes a layout (or None:
+one device, local dispatchers) and asks it five things: pin activations to the batch split, run
 an MoE layer's dispatch, total a per-shard router statistic over the batch, run
 the stacked MoE layers (a scan, or a pipeline over `stage`), and weigh the
 loss it computed (with pipeline stages, only the last stage's output counts).
@@ -21,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmoe import sharding
 from jaxmoe.config import Config, ConfigError, MoEConfig
@@ -57,10 +60,37 @@ class GlobalLayout:
     """The auto-sharded program's view: global arrays, placed by sharding rules."""
 
     def __init__(self, mesh: Mesh, cfg: Config | None = None):
-        """cfg: the model's config, needed to run its MoE stack (a single MoE layer
-        needs only the mesh)."""
+        """cfg: the model's config, needed to run its MoE stack and to place the
+        training state (a single MoE layer needs only the mesh)."""
         self.cfg, self.mesh = cfg, mesh
         self.batch_shards = mesh.shape["data"] * mesh.shape["expert"]
+
+    # -- where the training state and the batch live
+
+    def check_training(self) -> None:
+        """The config's shape checks that need this mesh; run before compiling."""
+        sharding.check_divisibility(self.cfg, self.mesh)
+
+    def param_specs(self, abs_params: nnx.State) -> nnx.State:
+        """Where the parameters are used: `mesh.parallelism`'s rules table."""
+        return sharding.state_specs(abs_params, sharding.RULES[self.cfg.mesh.parallelism])
+
+    def buffer_specs(self, abs_buffers: nnx.State) -> nnx.State:
+        return sharding.state_specs(abs_buffers, sharding.RULES[self.cfg.mesh.parallelism])
+
+    def optimizer_specs(self, abs_params: nnx.State, use: nnx.State) -> nnx.State:
+        """Where each parameter's optimizer state lives (`use`: where the parameter
+        is used): its ZeRO-1 split over the axes holding copies of it, when on."""
+        if not self.cfg.mesh.zero1:
+            return use
+        return jax.tree.map(lambda p, s: sharding.zero1_spec(s, p.shape, self.mesh),
+                            abs_params, use, is_leaf=lambda x: isinstance(x, P))
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return sharding.batch_sharding(self.mesh)
+
+    # -- what the model asks
 
     def constrain_batch(self, x: jax.Array) -> jax.Array:
         return sharding.constrain_batch(x, self.mesh)

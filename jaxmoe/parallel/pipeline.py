@@ -14,8 +14,9 @@ to the next stage. Stage 0 reads micro-batch t mod M from a circular store that
 the last stage writes back into, so M >= S micro-batches go round V times in
 V M + S - 1 iterations: the bubble shrinks from (S - 1) / (M + S - 1) to
 (S - 1) / (V M + S - 1). Autodiff of the loop gives the backward pass. With remat on, each
-iteration keeps only its input buffers (not the weights it sliced for its round),
-and recomputing an iteration rematerialises its layers one at a time again.
+iteration keeps only its stages' input buffer (not the weights it sliced for its
+round, nor the store, whose reads and writes are linear), and recomputing an
+iteration rematerialises its layers one at a time again.
 
 Router statistics of iterations where a stage holds no real micro-batch are
 masked out, so every MoE layer's losses and loads are those of the real data.
@@ -76,6 +77,10 @@ def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatche
 
     run_stages = jax.vmap(stage_fn, in_axes=(0, 0, 0, 0, 0 if key is not None else None),
                           spmd_axis_name="stage")
+    # Only the stages' computation is recomputed: checkpointing the whole iteration
+    # would keep the carried store, [M, B/M, L, D], once per iteration.
+    if remat != "none":  # else every iteration would keep its chunk's sliced weights
+        run_stages = jax.checkpoint(run_stages, policy=REMAT_POLICIES[remat], prevent_cse=False)
 
     def iteration(carry, t):
         buffer_SxbxLxD, store = carry
@@ -97,8 +102,6 @@ def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatche
         # stage s's output feeds stage s + 1 next iteration (a collective-permute)
         return (jnp.roll(out_SxbxLxD, 1, axis=0), store), (aux, round_S)
 
-    if remat != "none":  # else every iteration would keep its chunk's sliced weights
-        iteration = jax.checkpoint(iteration, policy=REMAT_POLICIES[remat], prevent_cse=False)
     init = (jnp.zeros((S,) + store_MxbxLxD.shape[1:], x_BxLxD.dtype), store_MxbxLxD)
     (_, store), (aux, round_TxS) = jax.lax.scan(iteration, init, jnp.arange(V * M + S - 1))
     y_BxLxD = store.swapaxes(0, 1).reshape(B, L, D)  # the store ends holding round V-1's outputs
