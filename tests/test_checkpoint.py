@@ -24,6 +24,8 @@ from jaxmoe.sharding import make_mesh
 from jaxmoe.step import build_steps
 from jaxmoe.train import TooManyBadSteps, train
 
+from model_order import in_model_order
+
 SMALL = {
     "model": {"d_model": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
               "num_dense_layers": 1, "mlp_hidden": 64},
@@ -152,14 +154,6 @@ CIRCULAR = {**SMALL, "model": {**SMALL["model"], "num_layers": 7},
             "pipeline": {"schedule": "circular", "virtual_stages": 2, "stage_microbatches": 2}}
 
 
-def _in_model_order(values, cfg):
-    """`values` with every MoE leaf's layer axis put in model order, padding dropped."""
-    from jaxmoe.model.transformer import stored_layer_order
-    keep = np.argsort(stored_layer_order(cfg))[: cfg.num_moe_layers]
-    return jax.tree_util.tree_map_with_path(
-        lambda p, a: a[keep] if "'moe_layers'" in jax.tree_util.keystr(p) else a, values)
-
-
 def test_a_circular_pipeline_checkpoint_resumes_under_other_layouts(tmp_path):
     from jaxmoe.model.transformer import stored_layer_order
     cfg = config_from_dict(CIRCULAR)
@@ -186,12 +180,12 @@ def test_a_circular_pipeline_checkpoint_resumes_under_other_layouts(tmp_path):
                                       "moe": {**CIRCULAR["moe"], "dispatcher": dispatcher}})
             other_steps = build_steps(other, make_mesh(other.mesh))
             restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(run), other_steps)
-            chex.assert_trees_all_equal(_state_values(restored), _in_model_order(saved, cfg))
+            chex.assert_trees_all_equal(_state_values(restored), in_model_order(saved, cfg))
         # and back into the circular layout: the same state, padding zeroed
         restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(run), steps)
         pads = order >= cfg.num_moe_layers
-        chex.assert_trees_all_equal(_in_model_order(_state_values(restored), cfg),
-                                    _in_model_order(saved, cfg))
+        chex.assert_trees_all_equal(in_model_order(_state_values(restored), cfg),
+                                    in_model_order(saved, cfg))
         moe = jax.tree.leaves(_state_values(restored)[0]["moe_layers"])
         assert all(not np.any(a[pads]) for a in moe)
     # and trains on in another layout

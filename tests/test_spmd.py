@@ -13,6 +13,8 @@ from jaxmoe.parallel.collectives import compiled_collective_bytes, compiled_coll
 from jaxmoe.sharding import fraction_per_device, make_mesh, per_device_shapes
 from jaxmoe.step import build_steps
 
+from model_order import in_model_order
+
 BASE = {
     "model": {"d_model": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
               "num_dense_layers": 1, "mlp_hidden": 64},
@@ -124,14 +126,6 @@ def test_sharded_step_equals_single_device(reference, mesh, dispatcher, accumula
     chex.assert_trees_all_close(params, ref_params, rtol=0, atol=2 * LR * STEPS)
 
 
-def _in_model_order(tree, cfg):
-    """A stored-layout tree (a pipeline's: by stage, maybe padded) in model order."""
-    from jaxmoe.model.transformer import stored_layer_order
-    keep = np.argsort(stored_layer_order(cfg))[: cfg.num_moe_layers]
-    return jax.tree_util.tree_map_with_path(
-        lambda p, a: a[keep] if "'moe_layers'" in jax.tree_util.keystr(p) else a, tree)
-
-
 PIPE = {"data": 2, "stage": 2, "expert": 2}
 GPIPE = {"stage_microbatches": 2}
 CIRCULAR = {"stage_microbatches": 2, "schedule": "circular", "virtual_stages": 2}
@@ -148,8 +142,8 @@ def _pipeline_and_reference(pipeline, accumulation, dispatcher, dtype="float32",
     initial, grads, _, losses, norms = _run(cfg, jax.devices())
     one = _cfg(None, accumulation, dtype, pipeline={}, dispatcher="dense")
     _, want, _, want_losses, want_norms = _run(one, jax.devices()[:1],
-                                               params=_in_model_order(initial, cfg))
-    return cfg, (_in_model_order(grads, cfg), losses, norms), (want, want_losses, want_norms)
+                                               params=in_model_order(initial, cfg))
+    return cfg, (in_model_order(grads, cfg), losses, norms), (want, want_losses, want_norms)
 
 
 @pytest.mark.parametrize("pipeline, accumulation, dispatcher, zero1, loss_chunk, remat", [
