@@ -407,7 +407,8 @@ def train_config(toy: bool, steps: int, dispatcher: str = "ragged"):
 def train_losses(cfg, runs: int = 1) -> tuple[tuple[float, ...], ...]:
     """Per-step training cross-entropy of `cfg` from a fresh init on the stdlib corpus,
     `runs` times over with one compiled step."""
-    from jaxmoe.data import BatchIterator, load_corpus
+    from jaxmoe.batches import BatchIterator
+    from jaxmoe.data import load_corpus
     from jaxmoe.step import build_steps
 
     t = cfg.train

@@ -106,9 +106,14 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: Literal["stdlib", "text", "tokens"] = "stdlib"
-    path: str | None = None
-    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    # tokens: a prepared directory, a shard, a glob, or a list of them (a mixture)
+    path: str | tuple[str, ...] | None = None
+    weights: tuple[float, ...] | None = None  # one per path entry; None: equal
+    # "bytes", or a Hugging Face tokenizer.json (or a directory holding one)
+    tokenizer: str = "bytes"
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # of index-less raw shards
     heldout_fraction: float = 0.05
+    prefetch: int = 2  # batches read ahead in a background thread; 0: none
 
 
 @dataclass(frozen=True)
@@ -259,10 +264,23 @@ def validate(c: Config) -> None:
     _require(o.warmup_steps < t.steps, "optimizer.warmup_steps",
              f"{o.warmup_steps} must be below train.steps={t.steps}")
     _require(0.0 < c.data.heldout_fraction <= 0.5, "data.heldout_fraction", "must be in (0, 0.5]")
-    if c.data.source != "stdlib":
-        _require(bool(c.data.path), "data.path", f"source '{c.data.source}' needs a path")
-    else:
+    d = c.data
+    if d.source != "stdlib":
+        _require(bool(d.path), "data.path", f"source '{d.source}' needs a path")
+    if d.source != "tokens":
         _require(m.vocab_size >= 256, "model.vocab_size", "byte-level corpora need at least 256")
+        _require(d.tokenizer == "bytes", "data.tokenizer",
+                 f"source '{d.source}' reads bytes; to train on text with {d.tokenizer!r}, "
+                 f"tokenize it with python -m jaxmoe.prepare and use source: tokens")
+        _require(isinstance(d.path, str | None), "data.path",
+                 f"source '{d.source}' takes one path, got {list(d.path or ())}")
+    if d.weights is not None:
+        entries = 1 if isinstance(d.path, str) else len(d.path or ())
+        _require(d.source == "tokens" and len(d.weights) == entries, "data.weights",
+                 f"{len(d.weights)} weights for {entries} data.path entries (source "
+                 f"{d.source}); give one weight per entry of a tokens source")
+        _require(all(w > 0 for w in d.weights), "data.weights", "must all be positive")
+    _require(d.prefetch >= 0, "data.prefetch", "must be >= 0")
     _require(c.logging.log_every > 0, "logging.log_every", "must be positive")
     _require(bool(c.logging.wandb_project.strip()), "logging.wandb_project", "must not be empty")
     _require(c.checkpoint.keep > 0, "checkpoint.keep", "must keep at least one checkpoint")
@@ -292,6 +310,11 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0])
+    if origin is tuple:  # tuple[X, ...]: YAML gives a list
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return tuple(_check_type(v, typing.get_args(tp)[0], f"{key}[{i}]")
+                     for i, v in enumerate(value))
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string

@@ -1,12 +1,22 @@
-"""Corpora (stdlib source, text, pre-tokenised .bin) and deterministic batch streams.
+"""Corpora: the Python standard library's source, text files, or token shards.
 
-Byte-level sources use each raw byte as a token (0..255) and join files with a single
-0x00 byte, which never occurs in Python source or ordinary text, as a document separator.
+Byte-level sources (stdlib, text) use each raw byte as a token (0..255) and join
+files with a single 0x00 byte, which never occurs in Python source or ordinary
+text, as a document separator.
+
+`tokens` reads flat little-endian uint16/uint32 shards (`python -m jaxmoe.prepare`'s
+output, OLMo/Dolma-style raw `.npy` shards, or any flat file), memory-mapped. Each
+entry of `data.path` is one source of a mixture: a prepared directory (its
+`index.json` says the shards' dtype, sizes and largest ids, and which are held
+out), a shard file, or a glob of shards. Shards without an index are scanned once
+for their largest id, and the result is cached beside them.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
+import json
 import os
 import sys
 import sysconfig
@@ -21,6 +31,10 @@ TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 SEPARATOR = b"\x00"
 BYTE_VOCAB = 256
+INDEX_FILE = "index.json"
+INDEX_FORMAT = "jaxmoe-token-shards"
+SCAN_SUFFIX = ".scan.json"  # beside an index-less shard: its size, dtype and largest id
+_NPY_MAGIC = b"\x93NUMPY"
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 _MAX_CHECK_CHUNK = 1 << 24  # tokens per chunk when scanning memmaps for the max id
 
@@ -30,14 +44,35 @@ class DataError(ValueError):
 
 
 @dataclass(frozen=True)
+class Source:
+    """One source of a training mixture: its shards (1-D token arrays) and weight."""
+    name: str
+    shards: tuple[np.ndarray, ...]
+    weight: float = 1.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.shards)
+
+
+@dataclass(frozen=True)
 class Corpus:
     name: str
-    train: np.ndarray  # 1-D integer tokens (possibly np.memmap)
-    heldout: np.ndarray
+    train: tuple[Source, ...]
+    heldout: tuple[np.ndarray, ...]
+    tokenizer: dict | None = None  # what the shards were made with, when recorded
+
+    def check_tokenizer(self, described: dict) -> None:
+        """A corpus prepared with one tokenizer must not be read with another."""
+        if self.tokenizer and self.tokenizer.get("sha256") != described["sha256"]:
+            raise DataError(f"corpus {self.name} was made with the tokenizer "
+                            f"{self.tokenizer.get('spec')!r}, but data.tokenizer is "
+                            f"{described['spec']!r}; set data.tokenizer to the corpus's tokenizer")
 
 
-def load_corpus(source: str, path: str | None, vocab_size: int, seq_len: int,
-                heldout_fraction: float = 0.05, token_dtype: str = "uint16") -> Corpus:
+def load_corpus(source: str, path: str | tuple[str, ...] | list[str] | None, vocab_size: int,
+                seq_len: int, heldout_fraction: float = 0.05, token_dtype: str = "uint16",
+                weights: tuple[float, ...] | list[float] | None = None) -> Corpus:
     if source not in SOURCES:
         raise DataError(f"unknown data source {source!r}; valid sources: {', '.join(SOURCES)}")
     if not 0.0 < heldout_fraction <= 0.5:
@@ -47,24 +82,30 @@ def load_corpus(source: str, path: str | None, vocab_size: int, seq_len: int,
     if source in ("stdlib", "text") and vocab_size < BYTE_VOCAB:
         raise DataError(f"vocab_size {vocab_size} < {BYTE_VOCAB}: byte-level source {source!r} "
                         f"needs all {BYTE_VOCAB} byte ids")
+    byte_level = {"spec": "bytes", "sha256": "bytes", "vocab_size": BYTE_VOCAB}
 
     if source == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
         train, heldout = _stdlib_split(root, heldout_fraction)
-        corpus = Corpus(f"python-stdlib-{sys.version_info.major}.{sys.version_info.minor}",
-                        train, heldout)
-    else:
+        name = f"python-stdlib-{sys.version_info.major}.{sys.version_info.minor}"
+        corpus = Corpus(name, (Source(name, (train,)),), (heldout,), byte_level)
+    elif source == "text":
+        if path is not None and not isinstance(path, str):
+            raise DataError(f"data source 'text' takes one path (a file or directory), got {path!r}")
         p = _existing_path(source, path)
-        if source == "text":
-            corpus = Corpus(str(p), *_tail_split(_read_text(p), heldout_fraction))
-        else:
-            corpus = _load_tokens(p, vocab_size, heldout_fraction, token_dtype)
+        train, heldout = _tail_split(_read_text(p), heldout_fraction)
+        corpus = Corpus(str(p), (Source(str(p), (train,)),), (heldout,), byte_level)
+    else:
+        corpus = _load_tokens(path, weights, vocab_size, heldout_fraction, token_dtype)
 
-    for split in ("train", "heldout"):
-        n = len(getattr(corpus, split))
-        if n < seq_len + 1:
-            raise DataError(f"corpus {corpus.name} has {n} {split} tokens; "
+    for s in corpus.train:
+        if s.tokens < seq_len + 1:
+            raise DataError(f"corpus {s.name} has {s.tokens} train tokens; "
                             f"need at least seq_len+1 = {seq_len + 1}")
+    held = sum(len(h) for h in corpus.heldout)
+    if max((len(h) for h in corpus.heldout), default=0) < seq_len + 1:
+        raise DataError(f"corpus {corpus.name} has {held} heldout tokens; "
+                        f"need at least seq_len+1 = {seq_len + 1} in one shard")
     return corpus
 
 
@@ -82,7 +123,7 @@ def _stdlib_split(root: str, heldout_fraction: float) -> tuple[np.ndarray, np.nd
     train: list[bytes] = []
     heldout: list[bytes] = []
     threshold = heldout_fraction * 1000
-    for rel in _walk(Path(root), (".py",), prune=_EXCLUDED_DIRS):
+    for rel in walk_files(Path(root), (".py",), prune=_EXCLUDED_DIRS):
         # Hash of the relative path: the split is stable across file additions/removals.
         dest = heldout if zlib.crc32(rel.encode()) % 1000 < threshold else train
         dest.append((Path(root) / rel).read_bytes())
@@ -91,7 +132,7 @@ def _stdlib_split(root: str, heldout_fraction: float) -> tuple[np.ndarray, np.nd
             np.frombuffer(SEPARATOR.join(heldout), np.uint8))
 
 
-def _walk(root: Path, suffixes: tuple[str, ...], prune: frozenset[str] = frozenset()) -> list[str]:
+def walk_files(root: Path, suffixes: tuple[str, ...], prune: frozenset[str] = frozenset()) -> list[str]:
     """Relative POSIX paths of files under root with the given suffixes, sorted."""
     rels = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -104,7 +145,7 @@ def _walk(root: Path, suffixes: tuple[str, ...], prune: frozenset[str] = frozens
 
 def _read_text(p: Path) -> np.ndarray:
     if p.is_dir():
-        data = SEPARATOR.join((p / rel).read_bytes() for rel in _walk(p, TEXT_SUFFIXES))
+        data = SEPARATOR.join((p / rel).read_bytes() for rel in walk_files(p, TEXT_SUFFIXES))
     else:
         data = p.read_bytes()
     if not data:
@@ -118,103 +159,147 @@ def _tail_split(tokens: np.ndarray, heldout_fraction: float) -> tuple[np.ndarray
     return tokens[:cut], tokens[cut:]
 
 
-def _load_tokens(p: Path, vocab_size: int, heldout_fraction: float, token_dtype: str) -> Corpus:
+def _load_tokens(path, weights, vocab_size: int, heldout_fraction: float,
+                 token_dtype: str) -> Corpus:
     if token_dtype not in TOKEN_DTYPES:
         raise DataError(f"unknown token_dtype {token_dtype!r}; valid: {', '.join(TOKEN_DTYPES)}")
-    dtype = TOKEN_DTYPES[token_dtype]
+    entries = [path] if isinstance(path, str) else list(path or [])
+    if not entries:
+        raise DataError(f"data source 'tokens' requires a path, got {path!r}")
+    if weights is not None:
+        if len(weights) != len(entries):
+            raise DataError(f"data.weights has {len(weights)} weights for {len(entries)} "
+                            f"data.path entries; give one weight per entry")
+        if any(not w > 0 for w in weights):
+            raise DataError(f"data.weights must all be positive, got {list(weights)}")
+    sources, heldout, tokenizers = [], [], {}
+    for i, entry in enumerate(entries):
+        train, held, tokenizer = _token_source(str(entry), vocab_size, heldout_fraction,
+                                               TOKEN_DTYPES[token_dtype])
+        sources.append(Source(str(entry), tuple(train), 1.0 if weights is None else weights[i]))
+        heldout.extend(held)
+        if tokenizer is not None:
+            tokenizers.setdefault(tokenizer.get("sha256"), (entry, tokenizer))
+    if len(tokenizers) > 1:
+        (a, ta), (b, tb) = list(tokenizers.values())[:2]
+        raise DataError(f"data.path mixes tokenizers: {a} was prepared with {ta.get('spec')!r}, "
+                        f"{b} with {tb.get('spec')!r}; ids would mean different things")
+    name = entries[0] if len(entries) == 1 else f"mixture of {len(entries)} sources"
+    tokenizer = next(iter(tokenizers.values()))[1] if tokenizers else None
+    return Corpus(name, tuple(sources), tuple(heldout), tokenizer)
+
+
+def _token_source(entry: str, vocab_size: int, heldout_fraction: float, dtype: np.dtype):
+    """(train shards, held-out shards, tokenizer record or None) of one data.path entry."""
+    p = Path(entry).expanduser()
+    if p.name == INDEX_FILE and p.is_file():
+        p = p.parent
     if p.is_dir():
+        if (p / INDEX_FILE).is_file():
+            return _indexed(p, vocab_size, heldout_fraction)
         train_path, val_path = p / "train.bin", p / "val.bin"
-        for f in (train_path, val_path):
-            if not f.is_file():
-                raise DataError(f"token directory {p} must contain train.bin and val.bin; missing {f}")
-        train = _memmap(train_path, dtype, vocab_size)
-        heldout = _memmap(val_path, dtype, vocab_size)
+        if train_path.is_file() or val_path.is_file():
+            for f in (train_path, val_path):
+                if not f.is_file():
+                    raise DataError(f"token directory {p} must contain train.bin and val.bin; "
+                                    f"missing {f}")
+            return ([_raw_shard(train_path, dtype, vocab_size)],
+                    [_raw_shard(val_path, dtype, vocab_size)], None)
+        raise DataError(f"token directory {p} has no {INDEX_FILE}: make it with python -m "
+                        f"jaxmoe.prepare, or name its shard files (a glob such as {p}/*.npy)")
+    if glob.has_magic(entry):
+        files = sorted(Path(f) for f in glob.glob(os.path.expanduser(entry)) if Path(f).is_file()
+                       and not f.endswith(SCAN_SUFFIX))
+        if not files:
+            raise DataError(f"data path {entry} matches no file")
+    elif p.is_file():
+        files = [p]
     else:
-        train, heldout = _tail_split(_memmap(p, dtype, vocab_size), heldout_fraction)
-    return Corpus(str(p), train, heldout)
+        raise DataError(f"data path does not exist: {p}")
+    train, heldout = [], []
+    for f in files:
+        t, h = _tail_split(_raw_shard(f, dtype, vocab_size), heldout_fraction)
+        train.append(t)
+        heldout.append(h)
+    return train, heldout, None
 
 
-def _memmap(f: Path, dtype: np.dtype, vocab_size: int) -> np.ndarray:
+def _indexed(directory: Path, vocab_size: int, heldout_fraction: float):
+    where = directory / INDEX_FILE
+    try:
+        index = json.loads(where.read_text())
+        if index.get("format") != INDEX_FORMAT:
+            raise ValueError(f"format {index.get('format')!r}, not {INDEX_FORMAT!r}")
+        dtype = TOKEN_DTYPES[index["dtype"]]
+        shards = [(directory / s["file"], s["split"], int(s["tokens"]), int(s["max_id"]))
+                  for s in index["shards"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{where} is not a readable token index ({type(e).__name__}: {e}); "
+                        f"re-run python -m jaxmoe.prepare") from None
+    train, heldout = [], []
+    for f, split, tokens, max_id in shards:
+        if not f.is_file():
+            raise DataError(f"shard {f} listed in {where} is missing")
+        if f.stat().st_size != tokens * dtype.itemsize:
+            raise DataError(f"shard {f} has {f.stat().st_size} bytes, but {where} says {tokens} "
+                            f"{dtype.name} tokens: it was changed or not fully written; re-run "
+                            f"python -m jaxmoe.prepare")
+        if max_id >= vocab_size:
+            raise DataError(f"shard {f} contains id {max_id} >= vocab_size {vocab_size} (per "
+                            f"{where}); set model.vocab_size to the tokenizer's vocabulary")
+        if tokens:
+            (heldout if split == "val" else train).append(np.memmap(f, dtype=dtype, mode="r"))
+    if not heldout:  # too few documents to hold any out: the tail of each shard instead
+        pairs = [_tail_split(t, heldout_fraction) for t in train]
+        train, heldout = [a for a, _ in pairs], [b for _, b in pairs]
+    return train, heldout, index.get("tokenizer")
+
+
+def _open_shard(f: Path, dtype: np.dtype) -> np.ndarray:
+    """A 1-D memmap of a raw shard, or of a .npy file's array (its header gives the dtype)."""
     size = f.stat().st_size
+    with open(f, "rb") as fh:
+        is_npy = fh.read(len(_NPY_MAGIC)) == _NPY_MAGIC
+    if is_npy:
+        try:
+            tokens = np.load(f, mmap_mode="r")
+        except ValueError as e:
+            raise DataError(f"token file {f} is not a readable .npy array ({e})") from None
+        if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
+            raise DataError(f"token file {f} holds a {tokens.dtype} array of shape {tokens.shape}; "
+                            f"need 1-D integer tokens")
+        return tokens
     if size % dtype.itemsize:
         raise DataError(f"token file {f} has {size} bytes, not a multiple of "
                         f"{dtype.itemsize} ({dtype.name}); wrong token_dtype?")
     if size == 0:
         raise DataError(f"corpus {f} is empty")
-    tokens = np.memmap(f, dtype=dtype, mode="r")
-    max_id = max(int(tokens[i:i + _MAX_CHECK_CHUNK].max())
-                 for i in range(0, len(tokens), _MAX_CHECK_CHUNK))
+    return np.memmap(f, dtype=dtype, mode="r")
+
+
+def _raw_shard(f: Path, dtype: np.dtype, vocab_size: int) -> np.ndarray:
+    """An index-less shard, checked against the vocabulary. Its largest id is found by a
+    scan the first time and cached in a file beside it (when the directory is writable)."""
+    tokens = _open_shard(f, dtype)
+    if len(tokens) == 0:
+        raise DataError(f"corpus {f} is empty")
+    stat = f.stat()
+    key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": tokens.dtype.str}
+    cache = f.with_name(f.name + SCAN_SUFFIX)
+    max_id = None
+    try:
+        cached = json.loads(cache.read_text())
+        if {k: cached.get(k) for k in key} == key:
+            max_id = int(cached["max_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if max_id is None:
+        max_id = max(int(tokens[i:i + _MAX_CHECK_CHUNK].max())
+                     for i in range(0, len(tokens), _MAX_CHECK_CHUNK))
+        try:
+            cache.write_text(json.dumps({**key, "max_id": max_id}))
+        except OSError:
+            pass  # a read-only corpus is scanned at every start
     if max_id >= vocab_size:
         raise DataError(f"token file {f} contains id {max_id} >= vocab_size {vocab_size}")
     return tokens
-
-
-def _rows_per_process(batch_size: int, process_index: int, process_count: int) -> int:
-    if batch_size < 1 or process_count < 1 or batch_size % process_count:
-        raise DataError(f"batch_size {batch_size} must be a positive multiple of "
-                        f"process_count {process_count}")
-    if not 0 <= process_index < process_count:
-        raise DataError(f"process_index {process_index} not in [0, {process_count})")
-    return batch_size // process_count
-
-
-def _check_length(tokens: np.ndarray, seq_len: int) -> None:
-    if seq_len < 1 or tokens.ndim != 1 or len(tokens) < seq_len + 1:
-        raise DataError(f"need a 1-D token array with at least seq_len+1 = {seq_len + 1} tokens, "
-                        f"got shape {tokens.shape}")
-
-
-class BatchIterator:
-    """Deterministic, resumable stream of fixed-shape training batches.
-
-    Global batch `step` is a pure function of (tokens, seed, step): `batch_size` random
-    windows of seq_len+1 tokens. Every process draws all offsets and keeps its own rows,
-    so hosts agree without communication and resuming is just `start_step`.
-    """
-
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
-                 process_index: int = 0, process_count: int = 1, start_step: int = 0):
-        _check_length(tokens, seq_len)
-        if seed < 0 or start_step < 0:
-            raise DataError(f"seed and start_step must be >= 0, got seed={seed}, "
-                            f"start_step={start_step}")
-        self.rows = _rows_per_process(batch_size, process_index, process_count)
-        self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
-        self.process_index = process_index
-        self.step = start_step
-        self._window_L = np.arange(seq_len + 1)
-
-    def batch_at(self, step: int) -> np.ndarray:
-        """int32 [batch_size // process_count, seq_len + 1]: this process's rows of batch `step`."""
-        rng = np.random.default_rng([self.seed, step])
-        offsets_B = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
-        start = self.process_index * self.rows
-        offsets_b = offsets_B[start:start + self.rows]
-        return self.tokens[offsets_b[:, None] + self._window_L].astype(np.int32)
-
-    def __iter__(self) -> BatchIterator:
-        return self
-
-    def __next__(self) -> np.ndarray:
-        batch = self.batch_at(self.step)
-        self.step += 1
-        return batch
-
-    def state(self) -> dict:
-        return {"step": self.step, "seed": self.seed}
-
-
-def heldout_batches(tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int,
-                    process_index: int = 0, process_count: int = 1) -> list[np.ndarray]:
-    """Fixed eval set: windows of seq_len+1 at stride seq_len (each token predicted once),
-    taken in order from the start and wrapping if there are too few."""
-    _check_length(tokens, seq_len)
-    rows = _rows_per_process(batch_size, process_index, process_count)
-    num_windows = (len(tokens) - 1) // seq_len
-    window_L = np.arange(seq_len + 1)
-    batches = []
-    for j in range(num_batches):
-        first = j * batch_size + process_index * rows
-        offsets_b = (np.arange(first, first + rows) % num_windows) * seq_len
-        batches.append(tokens[offsets_b[:, None] + window_L].astype(np.int32))
-    return batches

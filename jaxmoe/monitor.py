@@ -42,6 +42,8 @@ class Monitor:
 
     def progress(self, steps: int, record: dict) -> None:
         text = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+        if "data_epoch" in record:
+            text["epoch"] = f"{record['data_epoch']:.2f}"
         if "load_max_over_mean" in record:  # the worst MoE layer, at a glance
             worst = max(range(len(record["load_max_over_mean"])),
                         key=lambda i: record["load_max_over_mean"][i])

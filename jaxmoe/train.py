@@ -22,11 +22,13 @@ from absl import logging as absl_logging
 from jaxmoe import checkpoint, distributed, sinks
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config, ConfigError, load_config
-from jaxmoe.data import BatchIterator, Corpus, DataError, heldout_batches, load_corpus
+from jaxmoe.batches import BatchIterator, Prefetcher, heldout_batches
+from jaxmoe.data import Corpus, DataError, load_corpus
 from jaxmoe.distributed import DistributedError
 from jaxmoe.monitor import Monitor, to_python
 from jaxmoe.sharding import make_mesh, process_rows
 from jaxmoe.step import build_steps
+from jaxmoe.tokenizer import RUN_SUBDIR, TokenizerError, check_vocab, load_tokenizer
 
 
 class TooManyBadSteps(RuntimeError):
@@ -82,6 +84,10 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     (for time-limited allocations). loss_hook: see `build_steps` (tests only).
     """
     t = cfg.train
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    check_vocab(tokenizer, cfg.model.vocab_size)
+    corpus.check_tokenizer(tokenizer.describe())
+    BatchIterator(corpus.train, t.batch_size, t.seq_len, seed=t.seed)  # data errors before compiling
     steps = build_steps(cfg, make_mesh(cfg.mesh), loss_hook)
     run_dir = Path(t.run_dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir)
@@ -97,11 +103,14 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        tokenizer.save(run_dir / RUN_SUBDIR)
 
     block, blocks = process_rows(steps.batch_sharding, t.batch_size)
     batches = BatchIterator(corpus.train, t.batch_size, t.seq_len, seed=t.seed,
                             process_index=block, process_count=blocks,
                             start_step=data_state["step"])
+    if cfg.data.prefetch:
+        batches = Prefetcher(batches, cfg.data.prefetch)
     eval_set = heldout_batches(corpus.heldout, t.batch_size, t.seq_len, t.eval_batches,
                                process_index=block, process_count=blocks)
     manager = checkpoint.checkpoint_manager(run_dir, cfg)
@@ -118,13 +127,14 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     tokens_per_step = t.batch_size * t.seq_len
     last_time, last_step, record, stop = time.perf_counter(), start, {}, None
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
-    with StopSignals() as signals:
+    with StopSignals() as signals, batches:  # the prefetch thread ends with the loop
         for step in range(start + 1, end + 1):
             state, metrics = steps.train_step(state, global_batch(steps, next(batches)))
             if step % cfg.logging.log_every == 0 or step == end:
                 record = {"step": step, **to_python(metrics)}  # waits for this step
                 now = time.perf_counter()
                 record["tokens_per_s"] = tokens_per_step * (step - last_step) / (now - last_time)
+                record |= {f"data_{k}": v for k, v in batches.progress(step).items()}
                 monitor.log(record)
                 monitor.progress(step - last_step, record)
                 last_time, last_step = now, step
@@ -179,12 +189,15 @@ def main(argv: list[str] | None = None) -> int:
         distributed.initialize(distributed.settings(args))
         cfg = load_config(args.config, args.set)
         corpus = load_corpus(cfg.data.source, cfg.data.path, cfg.model.vocab_size,
-                             cfg.train.seq_len, cfg.data.heldout_fraction, cfg.data.token_dtype)
+                             cfg.train.seq_len, cfg.data.heldout_fraction, cfg.data.token_dtype,
+                             cfg.data.weights)
+        check_vocab(load_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size)
         make_mesh(cfg.mesh)  # device-count errors before anything compiles
         sinks.check_available(cfg)
         check_resumable(cfg, args.resume)
         train(cfg, corpus, stop_after=args.stop_after)
-    except (DistributedError, ConfigError, DataError, CheckpointError, TooManyBadSteps) as e:
+    except (DistributedError, ConfigError, DataError, TokenizerError, CheckpointError,
+            TooManyBadSteps) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxmoe
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import MeshConfig
-from jaxmoe.data import heldout_batches, load_corpus
+from jaxmoe.batches import heldout_batches
+from jaxmoe.data import load_corpus
 from jaxmoe.model.transformer import Transformer
 from jaxmoe.parallel.layout import GlobalLayout
 from jaxmoe.sharding import make_mesh

@@ -1,10 +1,13 @@
+import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxmoe import data
-from jaxmoe.data import BatchIterator, Corpus, DataError, heldout_batches, load_corpus
+from jaxmoe.batches import MIX_PERIOD, BatchIterator, Prefetcher, heldout_batches, permute
+from jaxmoe.data import Corpus, DataError, Source, load_corpus
 
 L = 16  # seq_len used throughout
 
@@ -14,18 +17,30 @@ def _bin(path: Path, values, dtype: str) -> Path:
     return path
 
 
+def _train(c: Corpus) -> np.ndarray:
+    """The training tokens of a one-source, one-shard corpus."""
+    (source,) = c.train
+    (shard,) = source.shards
+    return shard
+
+
+def _heldout(c: Corpus) -> np.ndarray:
+    (shard,) = c.heldout
+    return shard
+
+
 # --- corpora -----------------------------------------------------------------------------
 
 def test_stdlib_corpus():
     c = load_corpus("stdlib", None, vocab_size=256, seq_len=L)
     assert c.name.startswith("python-stdlib-")
-    assert c.train.dtype == np.uint8 and c.heldout.dtype == np.uint8
-    assert c.train.ndim == 1 and len(c.train) > 1_000_000
-    frac = len(c.heldout) / (len(c.train) + len(c.heldout))
+    assert _train(c).dtype == np.uint8 and _heldout(c).dtype == np.uint8
+    assert _train(c).ndim == 1 and len(_train(c)) > 1_000_000
+    frac = len(_heldout(c)) / (len(_train(c)) + len(_heldout(c)))
     assert 0.01 < frac < 0.15
-    assert b"import " in c.train[:100_000].tobytes()
+    assert b"import " in _train(c)[:100_000].tobytes()
     again = load_corpus("stdlib", None, vocab_size=50_000, seq_len=L)
-    assert np.array_equal(c.train, again.train) and np.array_equal(c.heldout, again.heldout)
+    assert np.array_equal(_train(c), _train(again)) and np.array_equal(_heldout(c), _heldout(again))
 
 
 def test_stdlib_split_is_by_file():
@@ -40,25 +55,25 @@ def test_stdlib_split_is_by_file():
 def test_tokens_uint16_file(tmp_path):
     f = _bin(tmp_path / "t.bin", np.arange(1000) % 700, "<u2")
     c = load_corpus("tokens", str(f), vocab_size=700, seq_len=L, heldout_fraction=0.1)
-    assert isinstance(c.train, np.memmap) and c.train.dtype == np.uint16
-    assert len(c.train) == 900 and len(c.heldout) == 100
-    assert np.array_equal(np.concatenate([c.train, c.heldout]), np.arange(1000) % 700)
+    assert isinstance(_train(c), np.memmap) and _train(c).dtype == np.uint16
+    assert len(_train(c)) == 900 and len(_heldout(c)) == 100
+    assert np.array_equal(np.concatenate([_train(c), _heldout(c)]), np.arange(1000) % 700)
 
 
 def test_tokens_uint32_file(tmp_path):
     values = np.arange(500, dtype=np.uint32) + 70_000
     f = _bin(tmp_path / "t.bin", values, "<u4")
     c = load_corpus("tokens", str(f), vocab_size=80_000, seq_len=L, token_dtype="uint32")
-    assert c.train.dtype == np.uint32
-    assert np.array_equal(np.concatenate([c.train, c.heldout]), values)
+    assert _train(c).dtype == np.uint32
+    assert np.array_equal(np.concatenate([_train(c), _heldout(c)]), values)
 
 
 def test_tokens_directory(tmp_path):
     _bin(tmp_path / "train.bin", np.arange(300), "<u2")
     _bin(tmp_path / "val.bin", np.arange(50)[::-1], "<u2")
     c = load_corpus("tokens", str(tmp_path), vocab_size=300, seq_len=L)
-    assert np.array_equal(c.train, np.arange(300))
-    assert np.array_equal(c.heldout, np.arange(50)[::-1])
+    assert np.array_equal(_train(c), np.arange(300))
+    assert np.array_equal(_heldout(c), np.arange(50)[::-1])
 
 
 def test_text_file(tmp_path):
@@ -66,8 +81,8 @@ def test_text_file(tmp_path):
     f.write_text("héllo wörld\n" * 50, encoding="utf-8")
     c = load_corpus("text", str(f), vocab_size=256, seq_len=L, heldout_fraction=0.2)
     raw = f.read_bytes()
-    assert np.concatenate([c.train, c.heldout]).tobytes() == raw
-    assert len(c.heldout) == int(len(raw) * 0.2)
+    assert np.concatenate([_train(c), _heldout(c)]).tobytes() == raw
+    assert len(_heldout(c)) == int(len(raw) * 0.2)
 
 
 def test_text_directory(tmp_path):
@@ -76,7 +91,7 @@ def test_text_directory(tmp_path):
     (tmp_path / "sub" / "a.py").write_text("A" * 100)
     (tmp_path / "skip.bin").write_bytes(b"\xff" * 100)
     c = load_corpus("text", str(tmp_path), vocab_size=256, seq_len=L, heldout_fraction=0.1)
-    stream = np.concatenate([c.train, c.heldout]).tobytes()
+    stream = np.concatenate([_train(c), _heldout(c)]).tobytes()
     assert stream == b"B" * 100 + data.SEPARATOR + b"A" * 100  # sorted: "b.md" < "sub/a.py"
 
 
@@ -159,20 +174,60 @@ def test_val_bin_missing(tmp_path):
 # --- batches -----------------------------------------------------------------------------
 
 TOKENS = np.arange(10_000, dtype=np.uint16)
+L1 = L + 1
+
+
+def _window_ids(batch: np.ndarray) -> np.ndarray:
+    """Over arange tokens, a row's first token names its window."""
+    assert np.array_equal(batch, batch[:, :1] + np.arange(L1))  # consecutive tokens
+    return batch[:, 0]
 
 
 def test_batch_shape_dtype_and_windows():
     batch = BatchIterator(TOKENS, batch_size=8, seq_len=L, seed=0).batch_at(0)
-    assert batch.shape == (8, L + 1) and batch.dtype == np.int32
-    # tokens == arange, so each row is tokens[o:o+L+1] iff it is consecutive integers from o.
-    assert np.array_equal(batch, batch[:, :1] + np.arange(L + 1))
-    assert batch.min() >= 0 and batch.max() < len(TOKENS)
+    assert batch.shape == (8, L1) and batch.dtype == np.int32
+    starts = _window_ids(batch)
+    assert (starts % L1 == 0).all() and batch.max() < len(TOKENS)  # windows tile the shard
 
 
-def test_windows_cover_full_range():
-    tokens = np.arange(L + 3, dtype=np.uint16)  # only 3 valid start offsets
-    it = BatchIterator(tokens, batch_size=64, seq_len=L, seed=1)
-    assert set(it.batch_at(0)[:, 0]) == {0, 1, 2}
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 1000, 4097])
+def test_permute_is_a_bijection(n):
+    got = permute(np.arange(n), n, key=7)
+    assert sorted(got.tolist()) == list(range(n))
+    if n > 16:
+        assert not np.array_equal(got, np.arange(n))
+        assert not np.array_equal(got, permute(np.arange(n), n, key=8))
+
+
+def test_every_window_once_per_epoch_across_shards():
+    # three shards of 5, 3 and 4 windows (their tails too short for another)
+    shards = [np.arange(a, a + k * L1 + r, dtype=np.uint16)
+              for a, k, r in [(0, 5, 3), (1000, 3, 0), (2000, 4, L)]]
+    it = BatchIterator(shards, batch_size=4, seq_len=L, seed=2)
+    windows = [(a + i * L1) for a, k in [(0, 5), (1000, 3), (2000, 4)] for i in range(k)]
+    seen = np.concatenate([_window_ids(it.batch_at(s)) for s in range(6)])  # 2 epochs of 12
+    for epoch in (seen[:12], seen[12:]):
+        assert sorted(epoch.tolist()) == windows  # each once, none overlapping another
+    assert not np.array_equal(seen[:12], seen[12:])  # each epoch has its own order
+    assert it.progress(3) == {"epoch": 1.0, "seen": 1.0}
+    assert it.progress(1) == {"epoch": 4 / 12, "seen": 4 / 12}
+
+
+def test_mixture_weights_hold_and_each_source_walks_its_epochs():
+    a = np.arange(0, 40 * L1, dtype=np.uint16)
+    b = np.arange(40_000, 40_000 + 60 * L1, dtype=np.uint16)
+    it = BatchIterator([Source("a", (a,), 1.0), Source("b", (b,), 3.0)], batch_size=64,
+                       seq_len=L, seed=0)
+    starts = np.concatenate([_window_ids(it.batch_at(s)) for s in range(2 * MIX_PERIOD // 64)])
+    from_b = starts >= 40_000
+    assert from_b.sum() == 2 * MIX_PERIOD * 3 // 4  # each period holds the weights exactly
+    within = from_b[:MIX_PERIOD // 2].mean()  # half a period: a draw without replacement
+    assert abs(within - 0.75) < 4 * np.sqrt(0.75 * 0.25 / (MIX_PERIOD // 2) / 2)
+    for own, n in ((starts[~from_b], 40), (starts[from_b], 60)):
+        first = own[:n]
+        assert len(set(first.tolist())) == n  # a full epoch of the source before any repeat
+    only_b = BatchIterator([Source("b", (b,))], 32, L, seed=0).batch_at(0)
+    assert not np.array_equal(only_b, it.batch_at(0)[:32])
 
 
 def test_batch_determinism():
@@ -183,7 +238,7 @@ def test_batch_determinism():
     assert not np.array_equal(a.batch_at(7), BatchIterator(TOKENS, 8, L, seed=4).batch_at(7))
 
 
-def test_resume():
+def test_resume_and_prefetch_give_the_same_stream():
     it = BatchIterator(TOKENS, 4, L, seed=5)
     first = [next(it) for _ in range(5)]
     assert it.state() == {"step": 5, "seed": 5}
@@ -191,13 +246,26 @@ def test_resume():
     for expected, got in zip(first[3:], resumed):
         assert np.array_equal(expected, got)
     assert resumed.step == 5
+    with Prefetcher(BatchIterator(TOKENS, 4, L, seed=5, start_step=1), depth=3) as ahead:
+        for expected in first[1:]:
+            assert np.array_equal(next(ahead), expected)
+        assert ahead.state() == {"step": 5, "seed": 5}
+
+
+def test_prefetch_hands_on_errors():
+    class Broken(BatchIterator):
+        def batch_at(self, step):
+            raise OSError(f"disk gone at step {step}")
+    with Prefetcher(Broken(TOKENS, 4, L, seed=0, start_step=2), depth=2) as ahead:
+        with pytest.raises(OSError, match="disk gone at step 2"):
+            next(ahead)
 
 
 def test_process_sharding():
     full = BatchIterator(TOKENS, 8, L, seed=9).batch_at(2)
     parts = [BatchIterator(TOKENS, 8, L, seed=9, process_index=p, process_count=2).batch_at(2)
              for p in range(2)]
-    assert parts[0].shape == (4, L + 1)
+    assert parts[0].shape == (4, L1)
     assert np.array_equal(np.concatenate(parts), full)
 
 
@@ -206,7 +274,7 @@ def test_memmap_batches(tmp_path):
     c = load_corpus("tokens", str(f), vocab_size=2000, seq_len=L)
     batch = BatchIterator(c.train, 4, L, seed=0).batch_at(0)
     assert type(batch) is np.ndarray and batch.dtype == np.int32
-    assert np.array_equal(batch, batch[:, :1] + np.arange(L + 1))
+    assert np.array_equal(batch, batch[:, :1] + np.arange(L1))
 
 
 def test_batch_errors():
@@ -214,10 +282,79 @@ def test_batch_errors():
         BatchIterator(TOKENS, 6, L, seed=0, process_count=4)
     with pytest.raises(DataError, match="process_index 2 not in"):
         BatchIterator(TOKENS, 4, L, seed=0, process_index=2, process_count=2)
-    with pytest.raises(DataError, match=r"seq_len\+1 = 17"):
+    with pytest.raises(DataError, match=r"no shard holds seq_len\+1 = 17"):
         BatchIterator(TOKENS[:10], 4, L, seed=0)
     with pytest.raises(DataError, match="batch_size 6 must be"):
         heldout_batches(TOKENS, 6, L, 2, process_count=4)
+
+
+# --- sources: shards, globs, .npy, indexes, mixtures -------------------------------------
+
+def test_shard_globs_npy_and_a_mixture(tmp_path):
+    for i in range(3):
+        _bin(tmp_path / f"part-{i}.bin", np.arange(200) + 100 * i, "<u2")
+    np.save(tmp_path / "other.npy", np.arange(300, dtype=np.uint32) + 5000)  # header says u4
+    c = load_corpus("tokens", [str(tmp_path / "part-*.bin"), str(tmp_path / "other.npy")],
+                    vocab_size=6000, seq_len=L, heldout_fraction=0.1, weights=[2.0, 1.0])
+    assert [s.name for s in c.train] == [str(tmp_path / "part-*.bin"), str(tmp_path / "other.npy")]
+    assert [len(s.shards) for s in c.train] == [3, 1] and [s.weight for s in c.train] == [2.0, 1.0]
+    assert [len(x) for x in c.train[0].shards] == [180] * 3 and c.train[1].shards[0].dtype == "<u4"
+    assert [len(h) for h in c.heldout] == [20, 20, 20, 30]  # each shard's tail
+    batch = BatchIterator(c.train, 8, L, seed=0).batch_at(0)
+    assert np.array_equal(batch, batch[:, :1] + np.arange(L1))
+
+
+def test_index_less_shards_are_scanned_once(tmp_path):
+    f = _bin(tmp_path / "t.bin", np.arange(1000) % 700, "<u2")
+    load_corpus("tokens", str(f), 700, L)
+    cache = tmp_path / ("t.bin" + data.SCAN_SUFFIX)
+    record = json.loads(cache.read_text())
+    assert record["max_id"] == 699
+    cache.write_text(json.dumps({**record, "max_id": 9999}))  # read instead of a new scan
+    with pytest.raises(DataError, match="t.bin contains id 9999 >= vocab_size 700"):
+        load_corpus("tokens", str(f), 700, L)
+    _bin(f, np.arange(1000) % 600, "<u2")  # a changed file is scanned again
+    os.utime(f, ns=(1, 1))
+    load_corpus("tokens", str(f), 700, L)
+    assert json.loads(cache.read_text())["max_id"] == 599
+
+
+def test_bad_sources_are_named(tmp_path):
+    f = _bin(tmp_path / "t.bin", np.arange(500), "<u2")
+    with pytest.raises(DataError, match="matches no file"):
+        load_corpus("tokens", str(tmp_path / "*.nope"), 600, L)
+    with pytest.raises(DataError, match="2 weights for 1 data.path entries"):
+        load_corpus("tokens", str(f), 600, L, weights=[1.0, 2.0])
+    with pytest.raises(DataError, match=f"{tmp_path.name} has no index.json"):
+        load_corpus("tokens", str(tmp_path), 600, L)
+    small = _bin(tmp_path / "small.bin", np.arange(4 * L1 + 8), "<u2")
+    c = load_corpus("tokens", str(small), 600, L, heldout_fraction=0.25)  # 57 train tokens
+    with pytest.raises(DataError, match=r"small.bin has 3 windows of seq_len\+1 = 17 tokens, "
+                                        r"fewer than its 4 rows of one batch"):
+        BatchIterator(c.train, 4, L, seed=0)
+    (tmp_path / "odd.npy").write_bytes(b"\x93NUMPY garbage")
+    with pytest.raises(DataError, match="odd.npy is not a readable .npy array"):
+        load_corpus("tokens", str(tmp_path / "odd.npy"), 600, L)
+
+
+def test_a_changed_indexed_shard_is_refused(tmp_path):
+    from jaxmoe.prepare import prepare
+    from tiny_tokenizer import make_tokenizer, sentences
+    (tmp_path / "doc.txt").write_text(" ".join(sentences(60)))
+    out = tmp_path / "out"
+    index = prepare([str(tmp_path / "doc.txt")], out, str(make_tokenizer(tmp_path / "tok")),
+                    heldout_fraction=0.0, workers=1, progress=False)
+    c = load_corpus("tokens", str(out / "index.json"), 300, L, heldout_fraction=0.1)
+    assert c.train[0].tokens + sum(len(h) for h in c.heldout) == index["totals"]["train"]["tokens"]
+    with pytest.raises(DataError, match=r"contains id \d+ >= vocab_size 100 \(per .*index.json\)"):
+        load_corpus("tokens", str(out), 100, L)
+    shard = out / index["shards"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(DataError, match=f"shard {shard} has .* bytes, but .* says"):
+        load_corpus("tokens", str(out), 300, L)
+    shard.unlink()
+    with pytest.raises(DataError, match=f"shard {shard} listed in .* is missing"):
+        load_corpus("tokens", str(out), 300, L)
 
 
 # --- held-out ----------------------------------------------------------------------------
@@ -244,6 +381,6 @@ def test_heldout_batches_wrap_and_shard():
 
 
 def test_corpus_is_frozen():
-    c = Corpus("x", TOKENS, TOKENS)
+    c = Corpus("x", (Source("x", (TOKENS,)),), (TOKENS,))
     with pytest.raises(AttributeError):
         c.name = "y"  # type: ignore[misc]

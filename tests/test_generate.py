@@ -1,5 +1,6 @@
 """Generation: the KV cache equals full recomputation, sampling is seeded, the CLI works."""
 
+import re
 import subprocess
 import sys
 
@@ -10,9 +11,10 @@ import pytest
 
 import jaxmoe
 from jaxmoe import api
-from jaxmoe.generate import _generate, encode, generate, inference_config, main
+from jaxmoe.generate import _generate, encode_prompts, generate, inference_config, main
 from jaxmoe.model import kv_cache
 from jaxmoe.sampling import filter_logits
+from jaxmoe.tokenizer import BYTE_TOKENIZER
 
 # capacity_factor 1.0 drops copies in the full pass; generation runs dropless
 CFG = jaxmoe.config_from_dict({
@@ -66,6 +68,34 @@ def test_greedy_generation_equals_argmax_of_full_recompute(params):
     np.testing.assert_array_equal(got, tokens[:, 5:])
 
 
+def encode(text):
+    return encode_prompts(BYTE_TOKENIZER, [text])[0]
+
+
+def test_left_padded_prompts_match_each_prompt_alone(params):
+    prompts = ["x = 1", "def f(a, b):", "i"]
+    tokens_BxP, first_B = encode_prompts(BYTE_TOKENIZER, prompts)
+    assert tokens_BxP.shape == (3, 13) and first_B.tolist() == [7, 0, 11]
+    run = lambda t, **kw: np.asarray(generate(params, t, CFG, key=jax.random.key(0),  # noqa: E731
+                                              max_new_tokens=6, temperature=0.0, **kw))
+    batched = run(tokens_BxP, first_B=first_B)
+    for row, p in enumerate(prompts):
+        np.testing.assert_array_equal(batched[row], run(encode(p))[0])
+    unmasked = run(tokens_BxP)  # the padding attended to: the short prompts change
+    assert (unmasked[0] != batched[0]).any() and (unmasked[1] == batched[1]).all()
+
+
+def test_rows_stop_at_eos(params):
+    prompt = encode("def ")
+    free = np.asarray(generate(params, prompt, CFG, key=jax.random.key(0), max_new_tokens=8,
+                               temperature=0.0))[0]
+    eos = int(free[2])  # pretend the third new token ends documents
+    stopped = np.asarray(generate(params, prompt, CFG, key=jax.random.key(0), max_new_tokens=8,
+                                  temperature=0.0, eos_id=eos))[0]
+    np.testing.assert_array_equal(stopped[:3], free[:3])
+    assert (stopped[3:] == eos).all() and (free[3:] != eos).any()
+
+
 def test_sampling_is_seeded_and_filters_compile_once(params):
     prompt = encode("def ")
     run = lambda seed, **kw: np.asarray(generate(  # noqa: E731
@@ -103,7 +133,7 @@ def test_cli(tiny_run, tmp_path, capsys):
            "--prompt", "import ", "--max-new-tokens", "12", "--seed", "3"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
-    assert first.stdout.startswith("import ") and "12 tokens" in first.stderr
+    assert first.stdout.startswith("import ") and re.search(r"\[\d+ tokens in", first.stderr)
     assert main(cmd[3:]) == 0  # in-process, same seed: same text
     assert capsys.readouterr().out == first.stdout
     assert main(["--checkpoint", str(tmp_path / "none"), "--prompt", "x"]) == 2

@@ -23,6 +23,7 @@ TOY_ARGS = {
     "jaxmoe.train": [a for s in TOY_MODEL + TOY_RUN for a in ("--set", s)],
     "jaxmoe.launch": [a for s in TOY_MODEL + TOY_RUN for a in ("--set", s)],
     "jaxmoe.generate": ["--max-new-tokens", "8"],
+    "jaxmoe.prepare": ["--no-progress"],
     "jaxmoe.export": [],
     # the shipped batch and layer count; narrow layers, short sequences
     "jaxmoe.plan": [a for s in ["model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
@@ -64,9 +65,27 @@ def test_every_command_is_either_run_or_named_as_cluster_only():
             assert _module(c) in TOY_ARGS, c
 
 
+def _your_own_data(root: Path) -> None:
+    """What "Your own data" assumes the user has: a tokenizer, a corpus, and the
+    README's YAML block saved as my.yaml."""
+    import json
+
+    from tiny_tokenizer import make_tokenizer, sentences
+    make_tokenizer(root / "tok")
+    texts = sentences(600, seed=3)
+    (root / "corpus").mkdir()
+    for i in range(0, 300, 10):
+        (root / "corpus" / f"{i}.txt").write_text(" ".join(texts[i:i + 10]))
+    (root / "more.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[300:]))
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Your own data"):]
+    (root / "my.yaml").write_text(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+
+
 @pytest.mark.slow
 def test_readme_commands_run_as_written(tmp_path):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
+    _your_own_data(tmp_path)
     # as a user's shell would be: one CPU device unless the command asks for more
     env = without_fake_devices(os.environ)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
@@ -85,6 +104,7 @@ def test_readme_commands_run_as_written(tmp_path):
         assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
         ran.append(command)
         if "jaxmoe.generate" in command:
-            assert result.stdout.startswith("def "), result.stdout  # the prompt, continued
+            prompt = re.search(r'--prompt "([^"]*)"', command).group(1)
+            assert result.stdout.startswith(prompt), result.stdout  # the prompt, continued
     assert (tmp_path / "tiny.safetensors").stat().st_size > 0
     assert len(ran) == len(readme_commands()) - 8

@@ -34,7 +34,14 @@ def test_short_run_learns(tmp_path):
     corpus = load_corpus("stdlib", None, 256, 64)
     summary = train(cfg, corpus)
     assert summary["heldout_loss_initial"] > 5.0  # ~ln(256) at init
-    assert summary["heldout_loss"] < summary["heldout_loss_initial"] - 2.0
+    # Two context-free baselines from the data: a uniform guess over the byte values the
+    # held-out text uses, and the training text's byte frequencies (3.2 nats on
+    # CPython's stdlib). A run that learns is at least halfway from the first to the second.
+    held = np.bincount(np.asarray(corpus.heldout[0]), minlength=256)
+    freq = np.bincount(np.asarray(corpus.train[0].shards[0]), minlength=256)
+    p_held, q_train = held / held.sum(), freq / freq.sum()
+    unigram = -(p_held[held > 0] * np.log(q_train[held > 0])).sum()
+    assert summary["heldout_loss"] < (np.log((held > 0).sum()) + unigram) / 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(10, 61, 10))

@@ -6,6 +6,10 @@ attends to the slots 0..p; slots not yet written are masked out. `forward` runs
 the same blocks as `Transformer.__call__` with causal attention over the cache
 instead of over the call's own tokens.
 
+Prompts of different lengths are left-padded: row b's real tokens start at slot
+first_B[b], and no query attends to the padding before it (a padding query
+attends to itself only, so every softmax row has a finite entry).
+
 Shapes: B batch, L tokens of this call, S cache slots, G kv heads, Hd head size,
 N layers of one stack.
 """
@@ -30,22 +34,27 @@ def init_cache(cfg: Config, batch: int, slots: int) -> Cache:
             for name, n in stacks.items() if n}
 
 
-def _block(block: Block, x_BxLxD, positions_BxL, k_BxSxGxHd, v_BxSxGxHd, start):
+def _block(block: Block, x_BxLxD, positions_BxL, k_BxSxGxHd, v_BxSxGxHd, start, first_B):
     q, k_new, v_new = block.attn.qkv(block.attn_norm(x_BxLxD), positions_BxL)
     k_BxSxGxHd = jax.lax.dynamic_update_slice_in_dim(k_BxSxGxHd, k_new, start, axis=1)
     v_BxSxGxHd = jax.lax.dynamic_update_slice_in_dim(v_BxSxGxHd, v_new, start, axis=1)
     S = k_BxSxGxHd.shape[1]
-    mask_Bx1xLxS = (positions_BxL[:, :, None] >= jnp.arange(S))[:, None]
+    slots_S = jnp.arange(S)
+    causal_BxLxS = positions_BxL[:, :, None] >= slots_S
+    real_BxLxS = (slots_S >= first_B[:, None, None]) | (positions_BxL[:, :, None] == slots_S)
+    mask_Bx1xLxS = (causal_BxLxS & real_BxLxS)[:, None]
     o = jax.nn.dot_product_attention(q, k_BxSxGxHd, v_BxSxGxHd, mask=mask_Bx1xLxS)
     x_BxLxD, aux = block.feed_forward(x_BxLxD + block.attn.out(o))
     return x_BxLxD, k_BxSxGxHd, v_BxSxGxHd, aux
 
 
-def forward(model: Transformer, tokens_BxL: jax.Array, cache: Cache,
-            start: jax.Array | int) -> tuple[jax.Array, Cache, dict]:
+def forward(model: Transformer, tokens_BxL: jax.Array, cache: Cache, start: jax.Array | int,
+            first_B: jax.Array | None = None) -> tuple[jax.Array, Cache, dict]:
     """Logits [B, L, V] for tokens at positions start..start+L-1, the cache with
-    their keys and values written, and the MoE layers' aux (as `Transformer`)."""
+    their keys and values written, and the MoE layers' aux (as `Transformer`).
+    first_B: each row's first real slot (left padding before it); None: 0."""
     B, L = tokens_BxL.shape
+    first_B = jnp.zeros(B, jnp.int32) if first_B is None else first_B
     positions_BxL = start + jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     x = model.embed[...][tokens_BxL].astype(jnp.dtype(model.cfg.model.compute_dtype))
     new_cache, aux = {}, {}
@@ -58,7 +67,7 @@ def forward(model: Transformer, tokens_BxL: jax.Array, cache: Cache,
         def body(x, layer):
             layer_state, k, v = layer
             x, k, v, layer_aux = _block(nnx.merge(graphdef, layer_state), x, positions_BxL, k, v,
-                                        start)
+                                        start, first_B)
             return x, (k, v, layer_aux)
 
         x, (k, v, layer_aux) = jax.lax.scan(body, x, (state, k, v))

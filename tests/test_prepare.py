@@ -1,0 +1,213 @@
+"""python -m jaxmoe.prepare: documents -> token shards with one EOS each, an index, a
+held-out split by document, uint16/uint32 by vocabulary, resumable after a crash."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxmoe import prepare as prep
+from jaxmoe.data import DataError, load_corpus
+from jaxmoe.prepare import PrepareError, is_heldout, main, prepare
+from jaxmoe.tokenizer import load_tokenizer
+from tiny_tokenizer import make_tokenizer, sentences
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """12 text files, a 60-line JSON Lines file, and a saved 50-row dataset."""
+    root = tmp_path_factory.mktemp("inputs")
+    texts = sentences(122, seed=1)
+    (root / "txt").mkdir()
+    for i, t in enumerate(texts[:12]):
+        (root / "txt" / f"{i:02d}.txt").write_text(t)
+    with open(root / "docs.jsonl", "w") as f:
+        for t in texts[12:72]:
+            f.write(json.dumps({"body": t, "id": 0}) + "\n")
+    import datasets
+    datasets.Dataset.from_dict({"body": texts[72:]}).save_to_disk(str(root / "ds"))
+    return root, texts
+
+
+def _split_docs(tokens, eos):
+    """The id lists between EOS tokens (each document must end with one)."""
+    assert tokens[-1] == eos
+    ends = np.flatnonzero(tokens == eos)
+    return [list(tokens[a + 1:b]) for a, b in zip(np.concatenate([[-1], ends[:-1]]), ends)]
+
+
+def _read_split(out, index, split):
+    return [np.fromfile(out / s["file"], index["dtype"]) for s in index["shards"]
+            if s["split"] == split]
+
+
+def test_every_input_kind_with_one_eos_per_document(tmp_path, tok_dir, inputs):
+    root, texts = inputs
+    out = tmp_path / "out"
+    index = prepare([str(root / "txt"), str(root / "docs.jsonl"), str(root / "ds")], out,
+                    str(tok_dir), text_field="body", heldout_fraction=0.2, workers=2,
+                    unit_mb=200 / 2**20, progress=False)
+    tok = load_tokenizer(tok_dir)
+    assert index["dtype"] == "uint16" and index["tokenizer"]["sha256"] == tok.sha256
+    assert len({s["file"] for s in index["shards"]}) > 4  # several units, in parallel workers
+    docs = {split: [d for shard in _read_split(out, index, split)
+                    for d in _split_docs(shard, tok.eos_id)] for split in ("train", "val")}
+    want = {"train": [], "val": []}
+    for t in texts:
+        want["val" if is_heldout(t, 0.2) else "train"].append(tok.encode(t))
+    assert 0 < len(want["val"]) < len(want["train"])
+    for split in ("train", "val"):
+        assert sorted(docs[split]) == sorted(want[split])  # same documents, same split
+        assert index["totals"][split] == {"documents": len(want[split]),
+                                          "tokens": sum(len(d) + 1 for d in want[split])}
+    for s in index["shards"]:
+        tokens = np.fromfile(out / s["file"], index["dtype"])
+        assert s["tokens"] == len(tokens) and (s["max_id"] == tokens.max() if len(tokens) else 1)
+        assert s["documents"] == int((tokens == tok.eos_id).sum())
+    corpus = load_corpus("tokens", str(out), 300, 8)  # what the loader reads
+    assert sum(s.tokens for s in corpus.train) == index["totals"]["train"]["tokens"]
+    assert corpus.tokenizer["sha256"] == tok.sha256
+
+
+def test_dtype_follows_the_vocabulary(tmp_path, inputs):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)} | {"<|endoftext|>": 70_000},
+                                     unk_token="w0"))
+    big.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "big").mkdir()
+    big.save(str(tmp_path / "big" / "tokenizer.json"))
+    (tmp_path / "doc.txt").write_text("w69999 w5 w70")
+    index = prepare([str(tmp_path / "doc.txt")], tmp_path / "out", str(tmp_path / "big"),
+                    heldout_fraction=0.0, workers=1, progress=False)
+    assert index["dtype"] == "uint32"
+    tokens = np.fromfile(tmp_path / "out" / index["shards"][0]["file"], "<u4")
+    np.testing.assert_array_equal(tokens, [69_999, 5, 70, 70_000])
+
+
+def test_a_crash_mid_shard_leaves_nothing_that_reads_as_complete(tmp_path, tok_dir, inputs,
+                                                                  monkeypatch):
+    root, _ = inputs
+    args = ([str(root / "txt")], tmp_path / "out", str(tok_dir))
+    kw = dict(heldout_fraction=0.2, workers=1, unit_mb=100 / 2**20, progress=False)
+    clean = prepare(*args[:1], tmp_path / "clean", *args[2:], **kw)
+
+    writes = []
+    real_write = prep._write
+
+    def crash_on_fifth(path, tokens):
+        writes.append(path)
+        if len(writes) == 5:  # half of this shard reaches the disk, then the process dies
+            with open(path.with_name(path.name + prep.PARTIAL), "wb") as f:
+                tokens[:len(tokens) // 2].tofile(f)
+            raise KeyboardInterrupt
+        real_write(path, tokens)
+
+    monkeypatch.setattr(prep, "_write", crash_on_fifth)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(*args, **kw)
+    out = tmp_path / "out"
+    assert not (out / "index.json").exists() and list(out.glob("*.partial"))
+    with pytest.raises(DataError, match="has no index.json: make it with python -m jaxmoe.prepare"):
+        load_corpus("tokens", str(out), 300, 4)
+    # a glob over the shards finds only complete ones: two whole units' shards
+    names = sorted(p.name for p in out.glob("*.bin"))
+    assert names == ["train-00000.bin", "train-00001.bin", "val-00000.bin", "val-00001.bin"]
+    for n in names:
+        assert (out / n).read_bytes() == (tmp_path / "clean" / n).read_bytes()
+
+    monkeypatch.setattr(prep, "_write", real_write)
+    done = []
+    real_unit = prep.tokenize_unit
+    monkeypatch.setattr(prep, "tokenize_unit", lambda *a, **k: done.append(a[1]) or real_unit(*a, **k))
+    resumed = prepare(*args, **kw)
+    assert done and min(done) == 2  # units 0 and 1 were kept
+    assert resumed["shards"] == clean["shards"]
+    assert not list(out.glob("*.partial"))
+    for s in clean["shards"]:
+        assert (out / s["file"]).read_bytes() == (tmp_path / "clean" / s["file"]).read_bytes()
+    done.clear()
+    assert prepare(*args, **kw) == resumed and not done  # complete: nothing to do
+    changed = prepare(*args, **{**kw, "heldout_fraction": 0.3})  # other options: starts clean
+    assert changed["heldout_fraction"] == 0.3 and sorted(done) == list(range(len(done)))
+
+
+def test_bad_inputs_are_refused_by_name(tmp_path, tok_dir, inputs):
+    root, _ = inputs
+    with pytest.raises(PrepareError, match="nope.txt does not exist"):
+        prepare([str(tmp_path / "nope.txt")], tmp_path / "o1", str(tok_dir), progress=False)
+    with pytest.raises(PrepareError, match=r"docs.jsonl \(byte 0\): no string field 'text'"):
+        prepare([str(root / "docs.jsonl")], tmp_path / "o2", str(tok_dir), workers=1,
+                progress=False)
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{oops\n')
+    with pytest.raises(PrepareError, match=r"bad.jsonl \(byte 14\): not a JSON line"):
+        prepare([str(tmp_path / "bad.jsonl")], tmp_path / "o3", str(tok_dir), workers=1,
+                progress=False)
+    with pytest.raises(PrepareError, match="no column 'text'.*--text-field"):
+        prepare([str(root / "ds")], tmp_path / "o4", str(tok_dir), progress=False)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(PrepareError, match="mine is not empty and was not made by jaxmoe.prepare"):
+        prepare([str(root / "txt")], tmp_path / "mine", str(tok_dir), progress=False)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    import datasets
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(
+        str(tmp_path / "dd"))
+    with pytest.raises(PrepareError, match=r"is a DatasetDict; name one split's directory"):
+        prepare([str(tmp_path / "dd")], tmp_path / "o5", str(tok_dir), progress=False)
+
+
+def test_cli(tmp_path, tok_dir, inputs, capsys):
+    root, _ = inputs
+    argv = [str(root / "docs.jsonl"), "--text-field", "body", "--tokenizer", str(tok_dir),
+            "--workers", "1", "--no-progress"]
+    assert main(argv + ["--out", str(tmp_path / "out")]) == 0
+    assert "train tokens (" in capsys.readouterr().out
+    assert main(argv + ["--out", str(tmp_path / "o"), "--heldout-fraction", "0.9"]) == 2
+    assert "--heldout-fraction must be in [0, 0.5]" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_prepared_corpus_trains_and_generates_words(tmp_path, tok_dir, capsys):
+    """Tokenizer -> prepare -> train (held-out loss falls) -> generate prints text."""
+    from jaxmoe.config import config_from_dict
+    from jaxmoe.generate import main as generate_main
+    from jaxmoe.train import train
+
+    (tmp_path / "corpus.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in sentences(3000, seed=2)))
+    prepare([str(tmp_path / "corpus.jsonl")], tmp_path / "shards", str(tok_dir), workers=1,
+            progress=False)
+    cfg = config_from_dict({
+        "model": {"vocab_size": 384, "d_model": 32, "num_layers": 2, "num_heads": 2,
+                  "num_kv_heads": 1, "head_dim": 16},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32},
+        "data": {"source": "tokens", "path": str(tmp_path / "shards"), "tokenizer": str(tok_dir)},
+        "train": {"steps": 40, "batch_size": 16, "seq_len": 32, "eval_every": 0,
+                  "eval_batches": 2, "run_dir": str(tmp_path / "run")},
+        "optimizer": {"learning_rate": 3e-3, "warmup_steps": 4},
+        "logging": {"log_every": 10, "progress": False}})
+    corpus = load_corpus("tokens", cfg.data.path, 384, 32)
+    summary = train(cfg, corpus)
+    assert summary["heldout_loss"] < summary["heldout_loss_initial"] - 1.5
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    last = [r for r in records if "data_epoch" in r][-1]
+    windows = corpus.train[0].tokens // 33  # one shard
+    assert last["data_epoch"] == pytest.approx(40 * 16 / windows)
+    assert last["data_seen"] == pytest.approx(min(1.0, 40 * 16 / windows))
+
+    capsys.readouterr()
+    argv = ["--checkpoint", str(tmp_path / "run"), "--prompt", "The quick", "--prompt", "A",
+            "--max-new-tokens", "24", "--temperature", "0"]
+    assert generate_main(argv) == 0
+    texts = capsys.readouterr().out.rstrip("\n").split("\n" + "=" * 40 + "\n")
+    tok = load_tokenizer(tok_dir)
+    assert len(texts) == 2 and texts[0].startswith("The quick") and texts[1].startswith("A")
+    for text in texts:
+        assert tok.decode(tok.encode(text)) == text and len(text.split()) >= 3
+    with pytest.raises(DataError, match="was made with the tokenizer .* but data.tokenizer is 'bytes'"):
+        corpus.check_tokenizer(load_tokenizer("bytes").describe())
