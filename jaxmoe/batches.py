@@ -1,7 +1,8 @@
 """Training batches in epochs: every window once per epoch, in a seeded order.
 
 A source's shards are cut into windows of seq_len + 1 tokens that tile each shard
-without overlap (a shard's last partial window is not used). Epoch e of a source
+without overlap (a shard's last partial window is not used; the target that would
+join two windows, one in seq_len + 1, is the price of no token being read twice). Epoch e of a source
 visits its N windows in the order of a seeded permutation of [0, N) -- a Feistel
 network, so no N-long array is held and a trillion-token corpus costs nothing to
 shuffle. With several sources, each period of MIX_PERIOD consecutive samples
@@ -17,7 +18,6 @@ Shapes: B global batch rows, b this process's rows, L1 = seq_len + 1.
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 from collections.abc import Sequence
@@ -105,8 +105,8 @@ def quotas(weights: Sequence[float], period: int = MIX_PERIOD) -> np.ndarray:
     w = np.asarray(weights, np.float64)
     exact = period * w / w.sum()
     q = np.maximum(np.floor(exact).astype(np.int64), 1)
-    while q.sum() > period:
-        q[np.argmax(q - exact)] -= 1
+    while q.sum() > period:  # only from sources above their floor of one
+        q[np.argmax(np.where(q > 1, q - exact, -np.inf))] -= 1
     order = np.argsort(-(exact - q), kind="stable")
     q[order[:period - q.sum()]] += 1
     return q
@@ -168,14 +168,19 @@ class BatchIterator:
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.process_index = process_index
         self.step = start_step
+        self._periods: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    @functools.lru_cache(maxsize=4)
     def _period(self, period: int) -> tuple[np.ndarray, np.ndarray]:
         """(source of each slot, how many earlier slots of the period went to that source)."""
+        if period in self._periods:
+            return self._periods[period]
+        if len(self._periods) > 4:
+            self._periods.clear()
         labels = np.repeat(np.arange(len(self.sources)), self.quota_S)
         labels = np.random.default_rng([self.seed, _MIX_SALT, period]).permutation(labels)
         one_hot = labels[:, None] == np.arange(len(self.sources))
         before = (np.cumsum(one_hot, axis=0) - one_hot)[np.arange(len(labels)), labels]
+        self._periods[period] = labels, before
         return labels, before
 
     def assign(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -252,6 +257,7 @@ class Prefetcher:
     def __init__(self, batches: BatchIterator, depth: int):
         self.batches, self.step = batches, batches.step
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._error: Exception | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, daemon=True, name="jaxmoe-prefetch")
         self._thread.start()
@@ -277,14 +283,17 @@ class Prefetcher:
         return self
 
     def __next__(self) -> np.ndarray:
-        while True:
+        while self._error is None:
             try:
                 item = self._queue.get(timeout=1.0)
                 break
             except queue.Empty:
                 if not self._thread.is_alive():
                     raise DataError(f"the batch-reading thread stopped before step {self.step}")
+        else:
+            raise self._error
         if isinstance(item, Exception):
+            self._error = item
             raise item
         self.step += 1
         return item
@@ -305,20 +314,24 @@ class Prefetcher:
 
 def heldout_batches(heldout, batch_size: int, seq_len: int, num_batches: int,
                     process_index: int = 0, process_count: int = 1) -> list[np.ndarray]:
-    """Fixed eval set: windows of seq_len+1 at stride seq_len (each token predicted once),
-    shard after shard from the start, wrapping if there are too few."""
+    """Fixed eval set: windows of seq_len+1 at stride seq_len (each token predicted once)
+    across the held-out shards, spread evenly over all of them (so every source of a
+    mixture is in it), repeated if there are too few."""
     shards = (heldout,) if isinstance(heldout, np.ndarray) else tuple(heldout)
     rows = _rows_per_process(batch_size, process_index, process_count)
     per_shard = [max((len(s) - 1) // seq_len, 0) for s in shards]
-    if sum(per_shard) == 0:
+    total = sum(per_shard)
+    if total == 0:
         raise DataError(f"held-out tokens: need a shard of at least seq_len+1 = {seq_len + 1} "
                         f"tokens, got shards of {[len(s) for s in shards]}")
     starts = np.concatenate([[0], np.cumsum(per_shard)])
+    wanted = num_batches * batch_size
+    window_n = (np.arange(wanted) * total) // wanted if wanted <= total else np.arange(wanted) % total
     window_L1 = np.arange(seq_len + 1)
     batches = []
     for j in range(num_batches):
         first = j * batch_size + process_index * rows
-        windows = np.arange(first, first + rows) % starts[-1]
+        windows = window_n[first:first + rows]
         shard_of = np.searchsorted(starts, windows, side="right") - 1
         batch = np.empty((rows, seq_len + 1), np.int32)
         for row, (w, s) in enumerate(zip(windows, shard_of)):

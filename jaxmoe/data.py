@@ -26,14 +26,16 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmoe.tokenizer import BYTE_EOS, BYTE_TOKENIZER, BYTE_VOCAB
+
 SOURCES = ("stdlib", "text", "tokens")
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 TEXT_SUFFIXES = (".txt", ".md", ".py")
-SEPARATOR = b"\x00"
-BYTE_VOCAB = 256
+SEPARATOR = bytes([BYTE_EOS])
 INDEX_FILE = "index.json"
 INDEX_FORMAT = "jaxmoe-token-shards"
-SCAN_SUFFIX = ".scan.json"  # beside an index-less shard: its size, dtype and largest id
+SCAN_SUFFIX = ".scan.json"  # beside an index-less shard: its size, dtype and id range
+NOT_SHARDS = (".json", ".partial")  # skipped by globs
 _NPY_MAGIC = b"\x93NUMPY"
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 _MAX_CHECK_CHUNK = 1 << 24  # tokens per chunk when scanning memmaps for the max id
@@ -82,7 +84,7 @@ def load_corpus(source: str, path: str | tuple[str, ...] | list[str] | None, voc
     if source in ("stdlib", "text") and vocab_size < BYTE_VOCAB:
         raise DataError(f"vocab_size {vocab_size} < {BYTE_VOCAB}: byte-level source {source!r} "
                         f"needs all {BYTE_VOCAB} byte ids")
-    byte_level = {"spec": "bytes", "sha256": "bytes", "vocab_size": BYTE_VOCAB}
+    byte_level = BYTE_TOKENIZER.describe()
 
     if source == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
@@ -208,10 +210,12 @@ def _token_source(entry: str, vocab_size: int, heldout_fraction: float, dtype: n
         raise DataError(f"token directory {p} has no {INDEX_FILE}: make it with python -m "
                         f"jaxmoe.prepare, or name its shard files (a glob such as {p}/*.npy)")
     if glob.has_magic(entry):
-        files = sorted(Path(f) for f in glob.glob(os.path.expanduser(entry)) if Path(f).is_file()
-                       and not f.endswith(SCAN_SUFFIX))
+        # a glob over a prepared directory must not read its index or unfinished files
+        files = sorted(Path(f) for f in glob.glob(os.path.expanduser(entry))
+                       if Path(f).is_file() and not f.endswith(NOT_SHARDS)
+                       and Path(f).stat().st_size)
         if not files:
-            raise DataError(f"data path {entry} matches no file")
+            raise DataError(f"data path {entry} matches no non-empty shard file")
     elif p.is_file():
         files = [p]
     else:
@@ -278,7 +282,7 @@ def _open_shard(f: Path, dtype: np.dtype) -> np.ndarray:
 
 
 def _raw_shard(f: Path, dtype: np.dtype, vocab_size: int) -> np.ndarray:
-    """An index-less shard, checked against the vocabulary. Its largest id is found by a
+    """An index-less shard, checked against the vocabulary. Its id range is found by a
     scan the first time and cached in a file beside it (when the directory is writable)."""
     tokens = _open_shard(f, dtype)
     if len(tokens) == 0:
@@ -286,20 +290,22 @@ def _raw_shard(f: Path, dtype: np.dtype, vocab_size: int) -> np.ndarray:
     stat = f.stat()
     key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": tokens.dtype.str}
     cache = f.with_name(f.name + SCAN_SUFFIX)
-    max_id = None
+    max_id = min_id = None
     try:
         cached = json.loads(cache.read_text())
         if {k: cached.get(k) for k in key} == key:
-            max_id = int(cached["max_id"])
+            max_id, min_id = int(cached["max_id"]), int(cached["min_id"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
     if max_id is None:
-        max_id = max(int(tokens[i:i + _MAX_CHECK_CHUNK].max())
-                     for i in range(0, len(tokens), _MAX_CHECK_CHUNK))
+        chunks = [tokens[i:i + _MAX_CHECK_CHUNK] for i in range(0, len(tokens), _MAX_CHECK_CHUNK)]
+        max_id, min_id = max(int(c.max()) for c in chunks), min(int(c.min()) for c in chunks)
         try:
-            cache.write_text(json.dumps({**key, "max_id": max_id}))
+            cache.write_text(json.dumps({**key, "max_id": max_id, "min_id": min_id}))
         except OSError:
             pass  # a read-only corpus is scanned at every start
+    if min_id < 0:
+        raise DataError(f"token file {f} contains the negative id {min_id}")
     if max_id >= vocab_size:
         raise DataError(f"token file {f} contains id {max_id} >= vocab_size {vocab_size}")
     return tokens

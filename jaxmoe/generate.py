@@ -31,7 +31,7 @@ from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config, override_config
 from jaxmoe.model import kv_cache
 from jaxmoe.sampling import sample
-from jaxmoe.tokenizer import RUN_SUBDIR, Tokenizer, TokenizerError, load_tokenizer
+from jaxmoe.tokenizer import BYTE_TOKENIZER, RUN_SUBDIR, Tokenizer, TokenizerError, load_tokenizer
 
 
 def inference_config(config: Config) -> Config:
@@ -67,8 +67,8 @@ def _generate(params, prompt_BxP, first_B, eos, key, temperature, top_k, top_p, 
         next_B = jnp.where(done_B, eos, next_B)
         return n + 1, out_BxN.at[:, n].set(next_B), cache, done_B | (next_B == eos)
 
-    _, out_BxN, _, _ = jax.lax.while_loop(more, step, (1, out_BxN, cache, token_B == eos))
-    return out_BxN
+    n, out_BxN, _, _ = jax.lax.while_loop(more, step, (1, out_BxN, cache, token_B == eos))
+    return out_BxN, n  # n: tokens decoded per row, fewer than max_new_tokens after an early end
 
 
 def generate(params: api.Params, prompt_BxP: jax.Array, config: Config, *, key: jax.Array,
@@ -95,9 +95,11 @@ def generate(params: api.Params, prompt_BxP: jax.Array, config: Config, *, key: 
         raise ValueError(f"first_B: need one start per row in [0, {P}), got {first_B.tolist()}")
     config = inference_config(config)
     api.check_params(params, config)
-    return _generate(params, jnp.asarray(prompt_BxP, jnp.int32), jnp.asarray(first_B),
-                     jnp.int32(-1 if eos_id is None else eos_id), key, jnp.float32(temperature),
-                     jnp.int32(top_k), jnp.float32(top_p), config, max_new_tokens)
+    tokens_BxN, _ = _generate(params, jnp.asarray(prompt_BxP, jnp.int32), jnp.asarray(first_B),
+                              jnp.int32(-1 if eos_id is None else eos_id), key,
+                              jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+                              config, max_new_tokens)
+    return tokens_BxN
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -113,15 +115,16 @@ def encode_prompts(tokenizer: Tokenizer, prompts: list[str]) -> tuple[np.ndarray
 
 
 def run_tokenizer(checkpoint_path: str, config: Config) -> Tokenizer:
-    """The tokenizer saved with the run that holds this checkpoint."""
+    """The tokenizer saved with the run that holds this checkpoint. A run on token shards
+    with data.tokenizer: bytes (raw shards train without one) has none for its ids."""
     directory, _ = checkpoint.locate(checkpoint_path)
     run_dir = directory.parent if directory.name == "checkpoints" else directory
-    if (run_dir / RUN_SUBDIR).is_dir():
-        return load_tokenizer(run_dir / RUN_SUBDIR)
-    if config.data.source == "tokens":  # runs from before the tokenizer was saved
-        raise TokenizerError(f"{run_dir} holds no {RUN_SUBDIR}/ (trained before tokenizers were "
-                             f"saved with the run): pass --tokenizer with the one it trained with")
-    return load_tokenizer("bytes")
+    saved = run_dir / RUN_SUBDIR
+    tokenizer = load_tokenizer(saved) if saved.is_dir() else BYTE_TOKENIZER
+    if tokenizer.is_bytes and config.data.source == "tokens" and config.model.vocab_size > 256:
+        raise TokenizerError(f"{run_dir} trained on token ids with data.tokenizer: bytes, so it "
+                             f"holds no tokenizer for them: pass --tokenizer with its corpus's")
+    return tokenizer
 
 
 def _length(new_N: np.ndarray, eos: int) -> int:

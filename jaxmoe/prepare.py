@@ -26,6 +26,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import sys
 import zlib
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ PLAN_FILE = "prepare.json"
 PARTIAL = ".partial"
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 DIRECTORY_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".jsonl.gz")  # a .json in a tree may be anything
-DATASET_MARKERS = ("dataset_info.json", "state.json")
+DATASET_MARKERS = ("dataset_info.json", "state.json")  # what save_to_disk writes
 ROWS_PER_UNIT = 20_000  # dataset rows per unit
 
 
@@ -63,7 +64,7 @@ class Unit:
 
 
 def _is_dataset(p: Path) -> bool:
-    return p.is_dir() and any((p / m).is_file() for m in DATASET_MARKERS)
+    return p.is_dir() and all((p / m).is_file() for m in DATASET_MARKERS)
 
 
 def plan_units(inputs: list[str], unit_bytes: int) -> list[Unit]:
@@ -114,18 +115,21 @@ def plan_units(inputs: list[str], unit_bytes: int) -> list[Unit]:
     return units
 
 
-def plan_id(inputs: list[str], tokenizer: Tokenizer, options: dict) -> dict:
-    """What a run's output depends on: a resumed run must match it exactly."""
-    files = []
-    for raw in inputs:
-        p = Path(raw).expanduser().absolute()
-        for f in sorted([p] if p.is_file() else p.rglob("*")):
-            if f.is_file():
-                st = f.stat()
-                files.append([str(f), st.st_size, st.st_mtime_ns])
-    digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
+def plan_id(inputs: list[str], units: list[Unit], tokenizer: Tokenizer, options: dict) -> dict:
+    """What a run's output depends on (the files it reads, their sizes and times, the
+    tokenizer's contents, the options): a resumed run must match it exactly."""
+    read = []
+    for unit in units:
+        for p in map(Path, unit.paths):
+            for f in sorted(p.rglob("*")) if p.is_dir() else [p]:  # a dataset's files
+                if f.is_file():
+                    st = f.stat()
+                    read.append([str(f), st.st_size, st.st_mtime_ns])
+    digest = hashlib.sha256(json.dumps(sorted(read)).encode()).hexdigest()
+    t = tokenizer.describe()
     return {"inputs": [str(Path(i).expanduser().absolute()) for i in inputs], "files_sha256": digest,
-            "tokenizer": tokenizer.describe(), **options}
+            "tokenizer": {k: t[k] for k in ("sha256", "vocab_size", "eos_id", "bos_id")},
+            **options}
 
 
 # ---------------------------------------------------------------- reading documents
@@ -145,10 +149,12 @@ def _dataset(path: str, text_field: str):
 
 
 def _jsonl_lines(path: str, start: int, stop: int):
-    """(line number or byte offset, line) of the lines that start in [start, stop)."""
+    """(where, line) of the lines that start in [start, stop); bytes that are not
+    UTF-8 are replaced, as in text files."""
     if path.endswith(".gz"):
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            yield from enumerate(f, 1)
+        with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                yield f"line {number}", line
         return
     with open(path, "rb") as f:
         if start:
@@ -159,7 +165,7 @@ def _jsonl_lines(path: str, start: int, stop: int):
             line = f.readline()
             if not line:
                 return
-            yield f"byte {at}", line.decode("utf-8")
+            yield f"byte {at}", line.decode("utf-8", errors="replace")
 
 
 def documents(unit: Unit, text_field: str):
@@ -199,9 +205,10 @@ def is_heldout(text: str, fraction: float) -> bool:
 _worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(tokenizer_spec: str) -> None:
+def _init_worker(tokenizer_spec: str, in_a_pool: bool = True) -> None:
     global _worker_tokenizer
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+    if in_a_pool:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     _worker_tokenizer = load_tokenizer(tokenizer_spec)
 
 
@@ -223,10 +230,8 @@ def tokenize_unit(out: str, number: int, unit: Unit, text_field: str, heldout_fr
     counts = {"train": 0, "val": 0}
     texts: list[str] = []
 
-    def flush():
-        for text, ids in zip(texts, tokenizer.encode_batch(texts)):
-            if not ids or ids[-1] != tokenizer.eos_id:
-                ids = ids + [tokenizer.eos_id]
+    def tokenize_pending():
+        for text, ids in zip(texts, tokenizer.encode_documents(texts)):
             split = "val" if is_heldout(text, heldout_fraction) else "train"
             parts[split].append(np.asarray(ids, np_dtype))
             counts[split] += 1
@@ -235,8 +240,8 @@ def tokenize_unit(out: str, number: int, unit: Unit, text_field: str, heldout_fr
     for text in documents(unit, text_field):
         texts.append(text)
         if len(texts) >= batch:
-            flush()
-    flush()
+            tokenize_pending()
+    tokenize_pending()
     record = {"unit": number, "shards": []}
     for split in ("train", "val"):
         tokens = np.concatenate(parts[split]) if parts[split] else np.zeros(0, np_dtype)
@@ -245,24 +250,30 @@ def tokenize_unit(out: str, number: int, unit: Unit, text_field: str, heldout_fr
         record["shards"].append({"file": name, "split": split, "tokens": int(len(tokens)),
                                  "documents": counts[split],
                                  "max_id": int(tokens.max()) if len(tokens) else -1})
-    unit_file = Path(out) / f"unit-{number:05d}.json"
-    tmp = unit_file.with_name(unit_file.name + PARTIAL)
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, unit_file)  # last: the unit counts as done only now
+    _write_json(Path(out) / f"unit-{number:05d}.json", record)  # last: the unit is done now
     return record
+
+
+def _write_json(path: Path, value) -> None:
+    """Whole or not at all, even across a power cut."""
+    partial = path.with_name(path.name + PARTIAL)
+    with open(partial, "w") as f:
+        f.write(json.dumps(value, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
 
 
 # ---------------------------------------------------------------- the whole job
 
 
-def _ours(f: Path) -> bool:
-    name = f.name.removesuffix(PARTIAL)
-    return name in (INDEX_FILE, PLAN_FILE) or (
-        name.split("-")[0] in ("train", "val", "unit") and name.endswith((".bin", ".json")))
+OUR_FILES = re.compile(rf"((train|val)-\d{{5}}\.bin|unit-\d{{5}}\.json|{re.escape(INDEX_FILE)}"
+                       rf"|{re.escape(PLAN_FILE)})({re.escape(PARTIAL)})?")
 
 
-def _start(out: Path, plan: dict) -> bool:
-    """Makes `out` ready; True when it already holds this exact preparation."""
+def _make_ready(out: Path, plan: dict) -> bool:
+    """Creates `out`, or keeps what it holds of this plan, or (another plan) deletes the
+    files this module writes and nothing else. True when it is complete already."""
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--out {out} is a file, not a directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -276,18 +287,21 @@ def _start(out: Path, plan: dict) -> bool:
         except ValueError:
             old = None
         if old == plan:
-            if (out / INDEX_FILE).is_file():
+            try:
+                json.loads((out / INDEX_FILE).read_text())
                 return True
-            print(f"resuming the preparation in {out}", file=sys.stderr)
+            except (OSError, ValueError):
+                print(f"resuming the preparation in {out}", file=sys.stderr)
         else:
-            print(f"{out} holds a preparation of other inputs or options: starting clean",
-                  file=sys.stderr)
+            print(f"{out} holds a preparation of other inputs, input files or options: "
+                  f"starting clean", file=sys.stderr)
             for f in existing:
-                if f.is_file() and _ours(f):
+                if f.is_file() and OUR_FILES.fullmatch(f.name):
                     f.unlink()
     for f in out.glob(f"*{PARTIAL}"):
-        f.unlink()
-    (out / PLAN_FILE).write_text(json.dumps(plan, indent=1))
+        if OUR_FILES.fullmatch(f.name):
+            f.unlink()
+    _write_json(out / PLAN_FILE, plan)
     return False
 
 
@@ -302,14 +316,16 @@ def prepare(inputs: list[str], out: str | Path, tokenizer_spec: str, *, text_fie
         raise PrepareError(f"--heldout-fraction must be in [0, 0.5], got {heldout_fraction}")
     if unit_mb <= 0:
         raise PrepareError(f"--unit-mb must be positive, got {unit_mb}")
+    if workers < 0:
+        raise PrepareError(f"--workers must be 0 (one per CPU) or more, got {workers}")
     tokenizer = load_tokenizer(tokenizer_spec)
-    dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
+    dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"  # by the largest id
     options = {"text_field": text_field, "heldout_fraction": heldout_fraction, "unit_mb": unit_mb,
                "dtype": dtype}
     out = Path(out).expanduser().absolute()
-    units = plan_units(inputs, int(unit_mb * 2**20))
-    plan = plan_id(inputs, tokenizer, options)
-    if _start(out, plan):
+    units = plan_units(inputs, max(int(unit_mb * 2**20), 1))
+    plan = plan_id(inputs, units, tokenizer, options)
+    if _make_ready(out, plan):
         print(f"{out} already holds this preparation", file=sys.stderr)
         return json.loads((out / INDEX_FILE).read_text())
     itemsize = np.dtype(dtype).itemsize
@@ -323,7 +339,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer_spec: str, *, text_fie
     bar = tqdm(total=len(units), initial=len(records), unit="unit", disable=not progress,
                desc="tokenizing")
     if workers == 1 or len(todo) <= 1:
-        _init_worker(str(tokenizer_spec))
+        _init_worker(str(tokenizer_spec), in_a_pool=False)
         for n in todo:
             records[n] = tokenize_unit(str(out), n, units[n], *args)
             bar.update()
@@ -334,7 +350,11 @@ def prepare(inputs: list[str], out: str | Path, tokenizer_spec: str, *, text_fie
                 initializer=_init_worker, initargs=(str(tokenizer_spec),)) as pool:
             futures = {pool.submit(tokenize_unit, str(out), n, units[n], *args): n for n in todo}
             for future in concurrent.futures.as_completed(futures):
-                records[futures[future]] = future.result()
+                try:
+                    records[futures[future]] = future.result()
+                except BaseException:
+                    pool.shutdown(wait=True, cancel_futures=True)  # now, not after the rest
+                    raise
                 bar.update()
     bar.close()
     shards = [s for n in sorted(records) for s in records[n]["shards"] if s["tokens"]]
@@ -347,9 +367,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer_spec: str, *, text_fie
              "tokenizer": tokenizer.describe(), "text_field": text_field,
              "heldout_fraction": heldout_fraction, "inputs": plan["inputs"], "totals": totals,
              "shards": shards}
-    tmp = out / (INDEX_FILE + PARTIAL)
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out / INDEX_FILE)
+    _write_json(out / INDEX_FILE, index)
     return index
 
 

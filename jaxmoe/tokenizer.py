@@ -6,8 +6,8 @@ text. Any other value names a `tokenizer.json` file, or a directory holding one
 (with its `tokenizer_config.json`, if any, which says which tokens are EOS and BOS).
 Nothing is downloaded: the file must be on disk.
 
-A run keeps a copy of its tokenizer in `RUN_DIR/tokenizer/`, so generation and
-export read the tokenizer the model was trained with, wherever the original went.
+A run keeps a copy of its tokenizer in `RUN_DIR/tokenizer/`, so generation reads
+the tokenizer the model was trained with, wherever the original went.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class TokenizerError(ValueError):
 @dataclass(frozen=True)
 class Tokenizer:
     """A loaded tokenizer. `spec` is what `data.tokenizer` said; `sha256` identifies
-    the tokenizer.json (bytes: "bytes") so a corpus can name the tokenizer it needs."""
+    the tokenizer.json and its tokenizer_config.json (bytes: "bytes"), so a corpus can
+    name the tokenizer it needs. `vocab_size` covers the largest id, added tokens too."""
     spec: str
     vocab_size: int
     eos_id: int
@@ -63,15 +64,17 @@ class Tokenizer:
 
     def encode_document(self, text: str) -> list[int]:
         """Ids of one document followed by exactly one EOS."""
-        ids = self.encode(text)
-        if not ids or ids[-1] != self.eos_id:
-            ids.append(self.eos_id)
-        return ids
+        return self.encode_documents([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if self._hf is None:
             return [self.encode(t) for t in texts]
         return [self._with_bos(e.ids) for e in self._hf.encode_batch(texts)]
+
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        """`encode_document` of each text, encoded as one batch."""
+        return [ids if ids[-1:] == [self.eos_id] else ids + [self.eos_id]
+                for ids in self.encode_batch(texts)]
 
     def decode(self, ids) -> str:
         """Text of the ids up to (not including) the first EOS; special tokens dropped."""
@@ -151,8 +154,11 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     bos_name = _token_content(special.get("bos_token"))
     bos_id = hf.token_to_id(bos_name) if bos_name is not None else None
     files = (file,) + ((config_file,) if config_file.is_file() else ())
-    return Tokenizer(str(spec), hf.get_vocab_size(with_added_tokens=True), eos_id, bos_id,
-                     hashlib.sha256(file.read_bytes()).hexdigest(),
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+    # added tokens may sit above the base vocabulary, with gaps
+    vocab_size = max(hf.get_vocab_size(with_added_tokens=True),
+                     max(hf.get_vocab(with_added_tokens=True).values()) + 1)
+    return Tokenizer(str(spec), vocab_size, eos_id, bos_id, digest,
                      bool(special.get("add_bos_token")), hf, files)
 
 
@@ -164,11 +170,3 @@ def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
             f"{tokenizer.spec!r} ({tokenizer.vocab_size} ids): set model.vocab_size to at least "
             f"{tokenizer.vocab_size} (a multiple of 128 is faster on accelerators), or use a "
             f"tokenizer with a smaller vocabulary")
-
-
-def run_tokenizer(run_dir: str | Path) -> Tokenizer:
-    """The tokenizer a run trained with, from its saved copy."""
-    saved = Path(run_dir) / RUN_SUBDIR
-    if not saved.is_dir():
-        return BYTE_TOKENIZER  # runs from before tokenizers were saved trained on bytes
-    return load_tokenizer(saved)

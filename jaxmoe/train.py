@@ -109,8 +109,6 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     batches = BatchIterator(corpus.train, t.batch_size, t.seq_len, seed=t.seed,
                             process_index=block, process_count=blocks,
                             start_step=data_state["step"])
-    if cfg.data.prefetch:
-        batches = Prefetcher(batches, cfg.data.prefetch)
     eval_set = heldout_batches(corpus.heldout, t.batch_size, t.seq_len, t.eval_batches,
                                process_index=block, process_count=blocks)
     manager = checkpoint.checkpoint_manager(run_dir, cfg)
@@ -127,6 +125,8 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     tokens_per_step = t.batch_size * t.seq_len
     last_time, last_step, record, stop = time.perf_counter(), start, {}, None
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+    if cfg.data.prefetch:  # started last: nothing that could fail comes between it and its end
+        batches = Prefetcher(batches, cfg.data.prefetch)
     with StopSignals() as signals, batches:  # the prefetch thread ends with the loop
         for step in range(start + 1, end + 1):
             state, metrics = steps.train_step(state, global_batch(steps, next(batches)))
@@ -191,7 +191,6 @@ def main(argv: list[str] | None = None) -> int:
         corpus = load_corpus(cfg.data.source, cfg.data.path, cfg.model.vocab_size,
                              cfg.train.seq_len, cfg.data.heldout_fraction, cfg.data.token_dtype,
                              cfg.data.weights)
-        check_vocab(load_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size)
         make_mesh(cfg.mesh)  # device-count errors before anything compiles
         sinks.check_available(cfg)
         check_resumable(cfg, args.resume)

@@ -250,6 +250,7 @@ def test_resume_and_prefetch_give_the_same_stream():
         for expected in first[1:]:
             assert np.array_equal(next(ahead), expected)
         assert ahead.state() == {"step": 5, "seed": 5}
+    assert not ahead._thread.is_alive()  # leaving the block ends the reading thread
 
 
 def test_prefetch_hands_on_errors():
@@ -257,8 +258,9 @@ def test_prefetch_hands_on_errors():
         def batch_at(self, step):
             raise OSError(f"disk gone at step {step}")
     with Prefetcher(Broken(TOKENS, 4, L, seed=0, start_step=2), depth=2) as ahead:
-        with pytest.raises(OSError, match="disk gone at step 2"):
-            next(ahead)
+        for _ in range(2):  # the same error again, not a vaguer one
+            with pytest.raises(OSError, match="disk gone at step 2"):
+                next(ahead)
 
 
 def test_process_sharding():
@@ -321,7 +323,7 @@ def test_index_less_shards_are_scanned_once(tmp_path):
 
 def test_bad_sources_are_named(tmp_path):
     f = _bin(tmp_path / "t.bin", np.arange(500), "<u2")
-    with pytest.raises(DataError, match="matches no file"):
+    with pytest.raises(DataError, match="matches no non-empty shard file"):
         load_corpus("tokens", str(tmp_path / "*.nope"), 600, L)
     with pytest.raises(DataError, match="2 weights for 1 data.path entries"):
         load_corpus("tokens", str(f), 600, L, weights=[1.0, 2.0])
@@ -364,7 +366,8 @@ def test_heldout_batches():
     assert len(batches) == 3
     assert all(b.shape == (4, L + 1) and b.dtype == np.int32 for b in batches)
     starts = np.concatenate([b[:, 0] for b in batches])
-    assert np.array_equal(starts, np.arange(12) * L)  # stride seq_len: each token predicted once
+    windows = (len(TOKENS) - 1) // L  # at stride seq_len: each token predicted once
+    assert np.array_equal(starts, (np.arange(12) * windows // 12) * L)  # spread over all
     again = heldout_batches(TOKENS, 4, L, 3)
     assert all(np.array_equal(x, y) for x, y in zip(batches, again))
 
@@ -378,6 +381,19 @@ def test_heldout_batches_wrap_and_shard():
     parts = [heldout_batches(TOKENS, 8, L, 2, process_index=p, process_count=2) for p in range(2)]
     for j in range(2):
         assert np.array_equal(np.concatenate([parts[0][j], parts[1][j]]), full[j])
+
+
+def test_heldout_batches_reach_every_source_of_a_mixture():
+    shards = [np.arange(0, 40 * L + 1), np.arange(5000, 5000 + 40 * L + 1)]
+    starts = np.concatenate(heldout_batches(shards, 4, L, 2))[:, 0]
+    assert (starts < 5000).sum() == 4 and (starts >= 5000).sum() == 4
+
+
+def test_tiny_weights_still_get_a_slot():
+    from jaxmoe.batches import quotas
+    q = quotas([1.0, 1e-9, 1e-9])
+    assert q.sum() == MIX_PERIOD and q.min() == 1
+    assert quotas([3, 1]).tolist() == [MIX_PERIOD * 3 // 4, MIX_PERIOD // 4]
 
 
 def test_corpus_is_frozen():

@@ -94,6 +94,10 @@ def test_rows_stop_at_eos(params):
                                   temperature=0.0, eos_id=eos))[0]
     np.testing.assert_array_equal(stopped[:3], free[:3])
     assert (stopped[3:] == eos).all() and (free[3:] != eos).any()
+    _, decoded = _generate(params, jnp.asarray(prompt), jnp.zeros(1, jnp.int32), jnp.int32(eos),
+                           jax.random.key(0), jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0),
+                           inference_config(CFG), 8)
+    assert int(decoded) == 3  # the loop ended at the EOS, not after 8 tokens
 
 
 def test_sampling_is_seeded_and_filters_compile_once(params):

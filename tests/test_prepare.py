@@ -132,8 +132,11 @@ def test_a_crash_mid_shard_leaves_nothing_that_reads_as_complete(tmp_path, tok_d
         assert (out / s["file"]).read_bytes() == (tmp_path / "clean" / s["file"]).read_bytes()
     done.clear()
     assert prepare(*args, **kw) == resumed and not done  # complete: nothing to do
+    (out / "train-notes.json").write_text("the user's")  # not a name prepare writes
     changed = prepare(*args, **{**kw, "heldout_fraction": 0.3})  # other options: starts clean
-    assert changed["heldout_fraction"] == 0.3 and sorted(done) == list(range(len(done)))
+    units = len(prep.plan_units([str(root / "txt")], 100))
+    assert changed["heldout_fraction"] == 0.3 and sorted(done) == list(range(units))
+    assert (out / "train-notes.json").read_text() == "the user's"
 
 
 def test_bad_inputs_are_refused_by_name(tmp_path, tok_dir, inputs):
@@ -159,6 +162,33 @@ def test_bad_inputs_are_refused_by_name(tmp_path, tok_dir, inputs):
         str(tmp_path / "dd"))
     with pytest.raises(PrepareError, match=r"is a DatasetDict; name one split's directory"):
         prepare([str(tmp_path / "dd")], tmp_path / "o5", str(tok_dir), progress=False)
+
+
+def test_gzip_and_bad_utf8_json_lines(tmp_path, tok_dir):
+    import gzip
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"text": "the dog"}) + "\n" + json.dumps({"text": "a cat"}) + "\n")
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "caf\xe9 sun"}\n')  # Latin-1, not UTF-8
+    index = prepare([str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.jsonl")], tmp_path / "out",
+                    str(tok_dir), heldout_fraction=0.0, workers=1, progress=False)
+    tok = load_tokenizer(tok_dir)
+    tokens = np.concatenate(_read_split(tmp_path / "out", index, "train"))
+    docs = [tok.decode(d) for d in _split_docs(tokens, tok.eos_id)]
+    assert docs == ["the dog", "a cat", "caf\ufffd sun"]  # the bad byte replaced, as in text files
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(b'{"text": 1}\n'))
+    with pytest.raises(PrepareError, match=r"c.jsonl.gz \(line 1\): no string field 'text'"):
+        prepare([str(tmp_path / "c.jsonl.gz")], tmp_path / "o", str(tok_dir), workers=1,
+                progress=False)
+
+
+def test_a_glob_over_a_prepared_directory_reads_only_shards(tmp_path, tok_dir, inputs):
+    root, _ = inputs
+    out = tmp_path / "out"
+    index = prepare([str(root / "txt")], out, str(tok_dir), heldout_fraction=0.0, workers=1,
+                    progress=False)
+    (out / "train-00009.bin.partial").write_bytes(b"\x01\x00" * 50)
+    corpus = load_corpus("tokens", str(out / "*"), 300, 4, heldout_fraction=0.1)
+    assert len(corpus.train[0].shards) == len([s for s in index["shards"] if s["tokens"]])
 
 
 def test_cli(tmp_path, tok_dir, inputs, capsys):
