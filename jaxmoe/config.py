@@ -32,7 +32,9 @@ class ModelConfig:
     head_dim: int = 0  # 0: d_model // num_heads
     mlp_hidden: int = 512  # hidden width of the dense (non-MoE) MLP layers
     num_dense_layers: int = 0  # the first N layers use a dense MLP instead of MoE
-    qk_norm: bool = True
+    # RMSNorm of queries and keys before RoPE: per head over head_dim (Qwen3, dots1),
+    # over the whole projection, all heads at once (OLMoE), or none (Mixtral)
+    qk_norm: Literal["none", "head", "full"] = "head"
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -55,6 +57,7 @@ class MoEConfig:
     shared_expert_hidden: int = 0  # 0: no shared expert
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     renormalize: bool = True  # rescale the top-k gates to sum to one
+    gate_scale: float = 1.0  # then multiply them by this (dots1's routed_scaling_factor)
     expert_bias: bool = False  # selection-only per-expert bias (aux-loss-free balancing)
     bias_update_rate: float = 1e-3  # bias += rate * sign(mean load - load) after each step
     router_jitter: float = 0.0  # multiplicative input noise in training, e.g. 0.01
@@ -331,6 +334,8 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
 _BOTH_MICROBATCHES = ("gradient accumulation is now train.accumulation_steps and the "
                       "micro-batches flowing through pipeline stages pipeline.stage_microbatches")
 RENAMED = {"train.microbatches": _BOTH_MICROBATCHES, "pipeline.microbatches": _BOTH_MICROBATCHES}
+# Values that older configs and checkpoints spell another way.
+LEGACY_VALUES = {"model.qk_norm": {True: "head", False: "none"}}
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
@@ -350,6 +355,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     for name, value in raw.items():
         key = f"{prefix}.{name}" if prefix else name
         tp = hints[name]
+        if type(value) is bool and key in LEGACY_VALUES:
+            value = LEGACY_VALUES[key][value]
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value if value is not None else {}, key)
         else:
@@ -410,7 +417,7 @@ class ParamCounts:
 def param_counts(c: Config) -> ParamCounts:
     m, moe = c.model, c.moe
     d, hd = m.d_model, m.head_size
-    layer_norms = 2 * d + (2 * hd if m.qk_norm else 0)
+    layer_norms = 2 * d + {"none": 0, "head": 2 * hd, "full": (m.num_heads + m.num_kv_heads) * hd}[m.qk_norm]
     attn = d * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + layer_norms  # q, k, v, o + norms
     dense_mlp = 3 * d * m.mlp_hidden
     shared = 3 * d * moe.shared_expert_hidden

@@ -1,10 +1,18 @@
-"""python -m jaxmoe.export --checkpoint RUN_OR_CHECKPOINT_DIR --out model.safetensors
+"""python -m jaxmoe.export --checkpoint RUN_OR_CHECKPOINT_DIR --out OUT [--format hf]
 
-Writes a checkpoint's parameters and router biases (fp32) to one safetensors file, one tensor per
-layer and weight, named for what it is: `embedding` [vocab, d_model],
-`layers.{i}.attn.w_q` [d_model, heads, head_dim], `layers.{i}.moe.experts.w_gate_up`
-[experts, d_model, 2 x expert_hidden] (gate then up), `lm_head` [d_model, vocab], ...
-The file's metadata holds the config and each tensor's axis names.
+`--format jaxmoe` (default) writes a checkpoint's parameters and router biases
+(fp32) to one safetensors file OUT, one tensor per layer and weight, named for what
+it is: `embedding` [vocab, d_model], `layers.{i}.attn.w_q` [d_model, heads,
+head_dim], `layers.{i}.moe.experts.w_gate_up` [experts, d_model, 2 x expert_hidden]
+(gate then up), `lm_head` [d_model, vocab], ... The file's metadata holds the
+config and each tensor's axis names.
+
+`--format hf` writes a Hugging Face checkpoint directory OUT that `transformers`
+loads (`AutoModelForCausalLM.from_pretrained(OUT)`): config.json and
+generation_config.json for the family that has the model's architecture (see
+`jaxmoe.hf`), sharded safetensors with their index (`--dtype bfloat16` or
+float32), and the run's tokenizer. It runs on the host's CPU, converting one
+layer at a time.
 """
 
 from __future__ import annotations
@@ -19,9 +27,10 @@ import numpy as np
 from absl import logging as absl_logging
 from flax import nnx
 
-from jaxmoe import checkpoint
+from jaxmoe import checkpoint, hf
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config
+from jaxmoe.tokenizer import RUN_SUBDIR, load_tokenizer
 
 _RENAME = {"embed": "embedding", "head": "lm_head", "final_norm.scale": "final_norm"}
 
@@ -61,16 +70,41 @@ def export(checkpoint_path: str | Path, out: str | Path) -> dict[str, tuple]:
     return tensors
 
 
+def export_hf(checkpoint_path: str | Path, out: str | Path, dtype: str = "float32",
+              shard_bytes: int = 2 << 30) -> dict:
+    """A Hugging Face checkpoint directory of a training checkpoint; returns its config."""
+    directory, step = checkpoint.locate(checkpoint_path)
+    step, _ = checkpoint.read_meta(directory, step, weights_only=True)
+    weights, cfg = checkpoint.restore_weights(directory, step)
+    hf.family_for(cfg)  # refused before anything is written
+    run_dir = directory.parent if directory.name == "checkpoints" else directory
+    saved = run_dir / RUN_SUBDIR
+    tokenizer = load_tokenizer(saved) if saved.is_dir() else None
+    params = jax.tree.map(np.asarray, weights.to_pure_dict())  # host arrays, not copies
+    del weights
+    return hf.save_hf(params, cfg, out, dtype=dtype, tokenizer=tokenizer, shard_bytes=shard_bytes)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxmoe.export", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m jaxmoe.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="a run directory, its checkpoints/ directory, or one step's directory")
-    parser.add_argument("--out", required=True, help="the .safetensors file to write")
+    parser.add_argument("--out", required=True,
+                        help="the .safetensors file (jaxmoe) or directory (hf) to write")
+    parser.add_argument("--format", choices=["jaxmoe", "hf"], default="jaxmoe")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="hf: the weights' dtype")
     args = parser.parse_args(argv)
     absl_logging.set_verbosity(absl_logging.ERROR)
+    jax.config.update("jax_platforms", "cpu")  # host memory holds the weights, not a device's
     try:
+        if args.format == "hf":
+            config = export_hf(args.checkpoint, args.out, args.dtype)
+            print(f"wrote a {config['architectures'][0]} checkpoint ({args.dtype}) to {args.out}")
+            return 0
         tensors = export(args.checkpoint, args.out)
-    except CheckpointError as e:
+    except (CheckpointError, hf.HFError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     total = sum(v.size for v, _ in tensors.values())

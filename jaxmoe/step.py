@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxmoe import sharding
 from jaxmoe.config import Config
 from jaxmoe.load_metrics import load_metrics
-from jaxmoe.model.transformer import Transformer
+from jaxmoe.model.transformer import Transformer, stored_layer_order
 from jaxmoe.optim import learning_rate_schedule, make_optimizer
 from jaxmoe.parallel import ddp
 from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
@@ -358,3 +358,46 @@ def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float,
         return b + delta if "router" in jax.tree_util.keystr(path) else b
 
     return jax.tree_util.tree_map_with_path(nudge, buffers)
+
+
+def with_weights(steps: Steps, state: TrainState, weights: dict) -> TrainState:
+    """`state` with these weights: a plain dict in model order, router biases included
+    (what `jaxmoe.load_params` and `jaxmoe.hf.load_hf` give), laid out as this
+    config's stacks store them and placed on the mesh. The optimizer state stays."""
+    order = stored_layer_order(steps.cfg)
+    real = order < steps.cfg.num_moe_layers
+
+    def stored(tree, moe):
+        if isinstance(tree, dict):
+            return {k: stored(v, moe or k == "moe_layers") for k, v in tree.items()}
+        a = np.asarray(tree, np.float32)
+        if not moe:
+            return a
+        out = np.zeros((len(order),) + a.shape[1:], np.float32)  # pipeline padding: zeros
+        out[real] = a[order[real]]
+        return out
+
+    weights = stored(weights, False)
+    params, buffers = state.params, state.buffers
+    params.replace_by_pure_dict(_only(weights, params.to_pure_dict()))
+    buffers.replace_by_pure_dict(_only(weights, buffers.to_pure_dict()))
+    shardings = steps.state_shardings
+    return state._replace(params=jax.device_put(params, shardings.params),
+                          buffers=jax.device_put(buffers, shardings.buffers))
+
+
+def _only(weights: dict, like: dict) -> dict:
+    """The entries of `weights` that `like` has (params or buffers), shapes checked."""
+    out = {}
+    for k, v in like.items():
+        if k not in weights:
+            raise ValueError(f"weights: {k} missing")
+        if isinstance(v, dict):
+            out[k] = _only(weights[k], v)
+        elif np.shape(weights[k]) != np.shape(v):
+            raise ValueError(f"weights: {k} has shape {np.shape(weights[k])}, the model "
+                             f"{np.shape(v)}")
+        else:
+            out[k] = weights[k]
+    return out
+

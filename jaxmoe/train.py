@@ -19,7 +19,7 @@ import numpy as np
 import yaml
 from absl import logging as absl_logging
 
-from jaxmoe import checkpoint, distributed, sinks
+from jaxmoe import checkpoint, distributed, hf, sinks
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config, ConfigError, load_config
 from jaxmoe.batches import BatchIterator, Prefetcher, heldout_batches
@@ -27,7 +27,7 @@ from jaxmoe.data import Corpus, DataError, load_corpus
 from jaxmoe.distributed import DistributedError
 from jaxmoe.monitor import Monitor, to_python
 from jaxmoe.sharding import make_mesh, process_rows
-from jaxmoe.step import build_steps
+from jaxmoe.step import build_steps, with_weights
 from jaxmoe.tokenizer import RUN_SUBDIR, TokenizerError, check_vocab, load_tokenizer
 
 
@@ -77,11 +77,13 @@ class StopSignals:
 
 
 def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
-          loss_hook: Callable | None = None) -> dict:
+          loss_hook: Callable | None = None, init_weights: dict | None = None) -> dict:
     """Runs (or resumes) the configured job; returns the final summary (also printed).
 
     stop_after: leave after this many steps of this process, with a checkpoint
-    (for time-limited allocations). loss_hook: see `build_steps` (tests only).
+    (for time-limited allocations). init_weights: start from these weights (a plain
+    dict in model order, e.g. `jaxmoe.hf.load_hf`'s) instead of the seed's; a run
+    that resumes ignores them. loss_hook: see `build_steps` (tests only).
     """
     t = cfg.train
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -99,6 +101,8 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
         start = int(state.step)
     else:
         state, data_state, start = steps.init(jax.random.PRNGKey(t.seed)), {"step": 0}, 0
+        if init_weights is not None:
+            state = with_weights(steps, state, init_weights)
     main = distributed.is_main()
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -182,21 +186,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="require a checkpoint in the run directory to resume from")
     parser.add_argument("--stop-after", type=int, default=None, metavar="N",
                         help="leave after N steps of this process, with a checkpoint")
+    parser.add_argument("--init-from-hf", default=None, metavar="DIR",
+                        help="start from a Hugging Face checkpoint (Qwen3-MoE, OLMoE, Mixtral, "
+                             "dots1): its architecture replaces the config's model shapes")
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's routine notices
     try:
         distributed.initialize(distributed.settings(args))
         cfg = load_config(args.config, args.set)
+        weights = None
+        if args.init_from_hf:
+            weights, hf_cfg = hf.load_hf(args.init_from_hf)
+            cfg = hf.with_architecture(cfg, hf_cfg)
         corpus = load_corpus(cfg.data.source, cfg.data.path, cfg.model.vocab_size,
                              cfg.train.seq_len, cfg.data.heldout_fraction, cfg.data.token_dtype,
                              cfg.data.weights)
         make_mesh(cfg.mesh)  # device-count errors before anything compiles
         sinks.check_available(cfg)
         check_resumable(cfg, args.resume)
-        train(cfg, corpus, stop_after=args.stop_after)
+        train(cfg, corpus, stop_after=args.stop_after, init_weights=weights)
     except (DistributedError, ConfigError, DataError, TokenizerError, CheckpointError,
-            TooManyBadSteps) as e:
+            TooManyBadSteps, hf.HFError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

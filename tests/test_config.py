@@ -78,6 +78,7 @@ def test_shipped_configs_load():
     {"model": {"num_dense_layers": 2, "num_layers": 3, "qk_norm": False},
      "moe": {"shared_expert_hidden": 48, "expert_bias": True, "num_experts": 6, "top_k": 3}},
     {"model": {"num_dense_layers": 2, "num_layers": 2}},
+    {"model": {"qk_norm": "full", "num_kv_heads": 1}},
 ])
 def test_param_counts_match_model(raw):
     cfg = config_from_dict(raw)
@@ -173,3 +174,10 @@ def test_flops_per_token_moves_with_top_k_seq_len_and_shared_expert(raw):
     # a shared expert of width S: three D x S matrices per MoE layer
     wider = override_config(cfg, [f"moe.shared_expert_hidden={moe.shared_expert_hidden + 8}"])
     assert flops_per_token(wider) - base == 6 * cfg.num_moe_layers * 3 * m.d_model * 8
+
+
+def test_older_boolean_qk_norm_reads_as_its_name():
+    assert config_from_dict({"model": {"qk_norm": True}}).model.qk_norm == "head"
+    assert config_from_dict({"model": {"qk_norm": False}}).model.qk_norm == "none"
+    with pytest.raises(ConfigError, match="model.qk_norm"):
+        config_from_dict({"model": {"qk_norm": "yes"}})

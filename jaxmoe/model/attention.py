@@ -1,4 +1,5 @@
-"""Causal grouped-query attention with RoPE and optional QK-norm."""
+"""Causal grouped-query attention with RoPE and optional QK-norm (per head or over the
+whole projection)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ class Attention(nnx.Module):
         self.w_k = param(rngs, (D, G, Hd), ("embed", "kv_heads", "head_dim"), std)
         self.w_v = param(rngs, (D, G, Hd), ("embed", "kv_heads", "head_dim"), std)
         self.w_o = param(rngs, (H, Hd, D), ("heads", "head_dim", "embed"), out_std)
-        if cfg.qk_norm:
+        if cfg.qk_norm == "head":
             self.q_norm = param(rngs, (Hd,), ("head_dim",), value=1.0)
             self.k_norm = param(rngs, (Hd,), ("head_dim",), value=1.0)
+        elif cfg.qk_norm == "full":  # one scale per element of the H x Hd projection
+            self.q_norm = param(rngs, (H, Hd), ("heads", "head_dim"), value=1.0)
+            self.k_norm = param(rngs, (G, Hd), ("kv_heads", "head_dim"), value=1.0)
         self.cfg = cfg
 
     def qkv(self, x_BxLxD: jax.Array, positions_BxL: jax.Array):
@@ -29,9 +33,10 @@ class Attention(nnx.Module):
         q = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.w_q[...].astype(dt))
         k = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_k[...].astype(dt))
         v = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_v[...].astype(dt))
-        if cfg.qk_norm:
-            q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
-            k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
+        if cfg.qk_norm != "none":
+            axis = -1 if cfg.qk_norm == "head" else (-2, -1)
+            q = rms_norm(q, self.q_norm[...], cfg.norm_eps, axis)
+            k = rms_norm(k, self.k_norm[...], cfg.norm_eps, axis)
         return rope(q, positions_BxL, cfg.rope_theta), rope(k, positions_BxL, cfg.rope_theta), v
 
     def out(self, o_BxLxHxHd: jax.Array) -> jax.Array:

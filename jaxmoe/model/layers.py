@@ -22,9 +22,10 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
     return nnx.Param(init, out_sharding=axes, eager_sharding=False)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, axis=-1) -> jax.Array:
+    """RMSNorm over `axis` (one axis, or a tuple: the trailing axes taken as one vector)."""
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axis, keepdims=True) + eps)
     return (y * scale).astype(x.dtype)
 
 

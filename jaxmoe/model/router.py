@@ -51,6 +51,8 @@ def route(logits_TxE: jax.Array, cfg: MoEConfig, bias_E: jax.Array | None = None
     gate_TxK = jnp.take_along_axis(scores_TxE, expert_TxK, axis=-1)
     if cfg.renormalize:
         gate_TxK = gate_TxK / (jnp.sum(gate_TxK, axis=-1, keepdims=True) + 1e-9)
+    if cfg.gate_scale != 1.0:
+        gate_TxK = gate_TxK * cfg.gate_scale
     probs_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
     return Routing(expert_TxK.astype(jnp.int32), gate_TxK, probs_TxE, logits_TxE,
                    jax.lax.stop_gradient(margin_T))

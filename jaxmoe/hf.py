@@ -1,0 +1,457 @@
+"""Hugging Face interop: jaxmoe models <-> Qwen3-MoE, OLMoE, Mixtral and dots1 checkpoints.
+
+Which family takes a jaxmoe config (`family_for`):
+
+| jaxmoe                                        | family    |
+|-----------------------------------------------|-----------|
+| softmax router, per-head QK-norm              | qwen3_moe |
+| softmax router, QK-norm over the projection   | olmoe     |
+| softmax router, no QK-norm, renormalised gates | mixtral   |
+| sigmoid router (+ selection bias), shared expert, per-head QK-norm | dots1 |
+
+Anything else (a softmax router with a selection bias, a shared expert beside a
+softmax router, ...) has no family in `transformers` and is refused by name.
+
+Tensors are written as `save_pretrained` writes them: one per expert, in
+`[out, in]` layout. Files are read and written here (safetensors is a JSON
+header and raw little-endian data), so bfloat16 needs no torch, and reading is
+memory-mapped: one layer at a time is converted.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from jaxmoe.config import Config, config_from_dict
+
+FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+            "mixtral": "MixtralForCausalLM", "dots1": "Dots1ForCausalLM"}
+INDEX = "model.safetensors.index.json"
+_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype("<f2")}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class HFError(ValueError):
+    """A model or checkpoint that cannot cross between jaxmoe and Hugging Face."""
+
+
+# ---------------------------------------------------------------- configs
+
+
+def family_for(cfg: Config) -> str:
+    """The family whose architecture is this config's, or HFError naming the option."""
+    m, moe = cfg.model, cfg.moe
+    if not cfg.num_moe_layers:
+        raise HFError("model.num_dense_layers == model.num_layers: a dense model is not an MoE "
+                      "family's")
+    if moe.score_func == "sigmoid":
+        problems = [("model.qk_norm", m.qk_norm != "head", "dots1 normalises q and k per head"),
+                    ("moe.shared_expert_hidden", moe.shared_expert_hidden % moe.expert_hidden != 0
+                     or not moe.shared_expert_hidden,
+                     "dots1's shared expert is a whole number (>= 1) of expert widths")]
+        _refuse("a sigmoid router", problems, "dots1")
+        return "dots1"
+    problems = [("moe.expert_bias", moe.expert_bias, "a selection bias beside a softmax router "
+                 "is in no family (moe.score_func: sigmoid with a shared expert exports as dots1)"),
+                ("moe.shared_expert_hidden", bool(moe.shared_expert_hidden),
+                 "a shared expert beside a softmax router is in no family (dots1 takes it with "
+                 "moe.score_func: sigmoid)"),
+                ("moe.gate_scale", moe.gate_scale != 1.0, "only dots1 scales the gates")]
+    _refuse("a softmax router", problems, "qwen3_moe, olmoe or mixtral")
+    if m.qk_norm == "head":
+        return "qwen3_moe"
+    if m.qk_norm == "full":
+        _refuse("QK-norm over the projection", [
+            ("model.num_dense_layers", m.num_dense_layers > 0, "olmoe has no dense layers"),
+            ("model.head_dim", m.head_size * m.num_heads != m.d_model,
+             "olmoe's head size is d_model / num_heads")], "olmoe")
+        return "olmoe"
+    _refuse("no QK-norm", [
+        ("model.num_dense_layers", m.num_dense_layers > 0, "mixtral has no dense layers"),
+        ("moe.renormalize", not moe.renormalize, "mixtral always renormalises the top-k gates")],
+        "mixtral")
+    return "mixtral"
+
+
+def _refuse(what: str, problems: list, families: str) -> None:
+    bad = [f"{key} ({why})" for key, wrong, why in problems if wrong]
+    if bad:
+        raise HFError(f"no Hugging Face family takes this model: with {what} ({families}), "
+                      + "; ".join(bad))
+
+
+def hf_config(cfg: Config, family: str, eos_id: int | None = None, bos_id: int | None = None,
+              dtype: str = "float32") -> dict:
+    """config.json for `family` (see `family_for`)."""
+    m, moe = cfg.model, cfg.moe
+    n = m.num_layers
+    out = {"architectures": [FAMILIES[family]], "model_type": family, "vocab_size": m.vocab_size,
+           "hidden_size": m.d_model, "num_hidden_layers": n, "num_attention_heads": m.num_heads,
+           "num_key_value_heads": m.num_kv_heads, "hidden_act": "silu",
+           "max_position_embeddings": max(cfg.train.seq_len, 4096), "rms_norm_eps": m.norm_eps,
+           "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+           "tie_word_embeddings": False, "attention_bias": False,
+           "num_experts_per_tok": moe.top_k, "output_router_logits": False,
+           "router_aux_loss_coef": moe.balance_loss_weight, "bos_token_id": bos_id,
+           "eos_token_id": eos_id, "dtype": dtype}
+    if family != "olmoe":
+        out["head_dim"] = m.head_size
+    if family == "qwen3_moe":
+        out |= {"intermediate_size": m.mlp_hidden, "moe_intermediate_size": moe.expert_hidden,
+                "num_experts": moe.num_experts, "norm_topk_prob": moe.renormalize,
+                "decoder_sparse_step": 1, "mlp_only_layers": list(range(m.num_dense_layers)),
+                "use_sliding_window": False, "sliding_window": None}
+    elif family == "olmoe":
+        out |= {"intermediate_size": moe.expert_hidden, "num_experts": moe.num_experts,
+                "norm_topk_prob": moe.renormalize, "clip_qkv": None}
+    elif family == "mixtral":
+        out |= {"intermediate_size": moe.expert_hidden, "num_local_experts": moe.num_experts,
+                "sliding_window": None, "router_jitter_noise": moe.router_jitter}
+    else:
+        out |= {"intermediate_size": m.mlp_hidden, "moe_intermediate_size": moe.expert_hidden,
+                "n_routed_experts": moe.num_experts,
+                "n_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
+                "n_group": 1, "topk_group": 1, "first_k_dense_replace": m.num_dense_layers,
+                "norm_topk_prob": moe.renormalize, "routed_scaling_factor": moe.gate_scale,
+                "sliding_window": None, "max_window_layers": n,
+                "layer_types": ["full_attention"] * n}
+    return out
+
+
+def config_from_hf(hf: dict) -> Config:
+    """The jaxmoe config of a Hugging Face config.json; HFError names what it cannot hold.
+    MoE layers dispatch dropless (`grouped` with room for every copy), so jaxmoe's
+    logits are the checkpoint's."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise HFError(f"config.json: model_type {family!r} is not one jaxmoe reads (families: "
+                      f"{', '.join(FAMILIES)})")
+    get = hf.get
+    rope = get("rope_parameters") or {"rope_type": "default", "rope_theta": get("rope_theta")}
+    layer_types = get("layer_types") or []
+    problems = [
+        ("attention_bias", bool(get("attention_bias")), "jaxmoe's projections have no bias"),
+        ("hidden_act", get("hidden_act", "silu") != "silu", "jaxmoe's MLPs are SwiGLU"),
+        ("rope_parameters.rope_type", rope.get("rope_type", "default") != "default",
+         "jaxmoe has plain RoPE only"),
+        ("use_sliding_window", family == "qwen3_moe" and bool(get("use_sliding_window")),
+         "jaxmoe attends to the whole sequence"),
+        ("sliding_window", family == "mixtral" and get("sliding_window") is not None,
+         "jaxmoe attends to the whole sequence"),
+        ("layer_types", any(t != "full_attention" for t in layer_types),
+         "jaxmoe attends to the whole sequence"),
+        ("clip_qkv", family == "olmoe" and get("clip_qkv") is not None, "jaxmoe does not clip"),
+        ("decoder_sparse_step", family == "qwen3_moe" and get("decoder_sparse_step", 1) != 1,
+         "jaxmoe's MoE layers are every layer after the dense ones"),
+        ("mlp_only_layers", family == "qwen3_moe" and list(get("mlp_only_layers") or [])
+         != list(range(len(get("mlp_only_layers") or []))),
+         "jaxmoe's dense layers are the first ones"),
+        ("n_group", family == "dots1" and ((get("n_group") or 1) != 1
+                                           or (get("topk_group") or 1) != 1),
+         "jaxmoe routes without expert groups"),
+        ("n_shared_experts", family == "dots1" and not get("n_shared_experts"),
+         "jaxmoe's sigmoid router comes with a shared expert here"),
+    ]
+    bad = [f"{key} ({why})" for key, wrong, why in problems if wrong]
+    if bad:
+        raise HFError(f"config.json ({family}): cannot be represented in jaxmoe: " + "; ".join(bad))
+    heads, d = get("num_attention_heads"), get("hidden_size")
+    head_dim = get("head_dim") or d // heads
+    dense = {"qwen3_moe": len(get("mlp_only_layers") or []),
+             "dots1": get("first_k_dense_replace") or 0}.get(family, 0)
+    expert_hidden = get("moe_intermediate_size") if family in ("qwen3_moe", "dots1") \
+        else get("intermediate_size")
+    # transformers writes Qwen3-MoE's num_experts as num_local_experts
+    experts = get("n_routed_experts") if family == "dots1" else (
+        get("num_experts") or get("num_local_experts"))
+    top_k = get("num_experts_per_tok")
+    model = {"vocab_size": get("vocab_size"), "d_model": d, "num_layers": get("num_hidden_layers"),
+             "num_heads": heads, "num_kv_heads": get("num_key_value_heads") or heads,
+             "head_dim": head_dim if head_dim * heads != d else 0,
+             "mlp_hidden": get("intermediate_size"), "num_dense_layers": dense,
+             "qk_norm": {"olmoe": "full", "mixtral": "none"}.get(family, "head"),
+             "rope_theta": float(rope.get("rope_theta") or 10_000.0),
+             "norm_eps": float(get("rms_norm_eps", 1e-6))}
+    moe = {"num_experts": experts, "top_k": top_k, "expert_hidden": expert_hidden,
+           "score_func": "sigmoid" if family == "dots1" else "softmax",
+           "renormalize": True if family == "mixtral" else bool(get("norm_topk_prob")),
+           "router_jitter": float(get("router_jitter_noise") or 0.0),
+           "dispatcher": "grouped", "capacity_factor": experts / top_k}
+    if family == "dots1":
+        moe |= {"expert_bias": True, "shared_expert_hidden": expert_hidden * get("n_shared_experts"),
+                "gate_scale": float(get("routed_scaling_factor") or 1.0)}
+    return config_from_dict({"model": model, "moe": moe})
+
+
+# The keys of an architecture: what a checkpoint's weights fix. The rest of a run's
+# config (dispatcher, capacity, losses, precision, parallelism) stays the user's.
+ARCHITECTURE = {"model": ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                          "head_dim", "mlp_hidden", "num_dense_layers", "qk_norm", "rope_theta",
+                          "norm_eps"),
+                "moe": ("num_experts", "top_k", "expert_hidden", "shared_expert_hidden",
+                        "score_func", "renormalize", "expert_bias", "gate_scale")}
+
+
+def with_architecture(cfg: Config, source: Config) -> Config:
+    """`cfg` with the architecture keys of `source` (e.g. `config_from_hf`'s)."""
+    raw = cfg.to_dict()
+    for section, keys in ARCHITECTURE.items():
+        for key in keys:
+            raw[section][key] = getattr(getattr(source, section), key)
+    return config_from_dict(raw)
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def _mlp_names(family: str, moe: bool) -> tuple[str, str, str, str]:
+    """(block prefix, gate, up, down) of an expert or dense MLP."""
+    if family == "mixtral" and moe:
+        return "block_sparse_moe", "w1", "w3", "w2"
+    return "mlp", "gate_proj", "up_proj", "down_proj"
+
+
+def layer_tensors(layer: dict, cfg: Config, family: str, i: int) -> dict[str, np.ndarray]:
+    """One layer's tensors under its Hugging Face names (`layer`: that layer's slice of a
+    params stack)."""
+    m = cfg.model
+    H, G, Hd, D = m.num_heads, m.num_kv_heads, m.head_size, m.d_model
+    a, pre = layer["attn"], f"model.layers.{i}."
+    out = {pre + "input_layernorm.weight": layer["attn_norm"]["scale"],
+           pre + "post_attention_layernorm.weight": layer["mlp_norm"]["scale"],
+           pre + "self_attn.q_proj.weight": a["w_q"].reshape(D, H * Hd).T,
+           pre + "self_attn.k_proj.weight": a["w_k"].reshape(D, G * Hd).T,
+           pre + "self_attn.v_proj.weight": a["w_v"].reshape(D, G * Hd).T,
+           pre + "self_attn.o_proj.weight": a["w_o"].reshape(H * Hd, D).T}
+    if m.qk_norm != "none":
+        out[pre + "self_attn.q_norm.weight"] = a["q_norm"].reshape(-1)
+        out[pre + "self_attn.k_norm.weight"] = a["k_norm"].reshape(-1)
+    if "moe" not in layer:
+        out |= _mlp(pre + "mlp.", layer["mlp"], *_mlp_names(family, False)[1:])
+        return out
+    moe = layer["moe"]
+    block, gate, up, down = _mlp_names(family, True)
+    out[pre + f"{block}.gate.weight"] = moe["router"]["w"].T
+    if family == "dots1":
+        bias = moe["router"].get("bias")
+        out[pre + "mlp.gate.e_score_correction_bias"] = (
+            np.zeros(cfg.moe.num_experts, np.float32) if bias is None else bias)
+        out |= _mlp(pre + "mlp.shared_experts.", moe["shared"], "gate_proj", "up_proj", "down_proj")
+    experts = moe["experts"]
+    for e in range(cfg.moe.num_experts):
+        out |= _mlp(pre + f"{block}.experts.{e}.", {k: v[e] for k, v in experts.items()},
+                    gate, up, down)
+    return out
+
+
+def _mlp(prefix: str, mlp: dict, gate: str, up: str, down: str) -> dict[str, np.ndarray]:
+    F = mlp["w_down"].shape[0]
+    return {prefix + f"{gate}.weight": mlp["w_gate_up"][:, :F].T,
+            prefix + f"{up}.weight": mlp["w_gate_up"][:, F:].T,
+            prefix + f"{down}.weight": mlp["w_down"].T}
+
+
+def _unmlp(read, prefix: str, gate: str, up: str, down: str) -> dict[str, np.ndarray]:
+    return {"w_gate_up": np.concatenate([read(prefix + f"{gate}.weight").T,
+                                         read(prefix + f"{up}.weight").T], axis=1),
+            "w_down": read(prefix + f"{down}.weight").T}
+
+
+def read_layer(read, cfg: Config, family: str, i: int, moe: bool) -> dict:
+    """The inverse of `layer_tensors`: layer i's params from `read(name) -> array`."""
+    m = cfg.model
+    H, G, Hd, D = m.num_heads, m.num_kv_heads, m.head_size, m.d_model
+    pre = f"model.layers.{i}."
+    attn = {"w_q": read(pre + "self_attn.q_proj.weight").T.reshape(D, H, Hd),
+            "w_k": read(pre + "self_attn.k_proj.weight").T.reshape(D, G, Hd),
+            "w_v": read(pre + "self_attn.v_proj.weight").T.reshape(D, G, Hd),
+            "w_o": read(pre + "self_attn.o_proj.weight").T.reshape(H, Hd, D)}
+    if m.qk_norm == "head":
+        attn |= {"q_norm": read(pre + "self_attn.q_norm.weight"),
+                 "k_norm": read(pre + "self_attn.k_norm.weight")}
+    elif m.qk_norm == "full":
+        attn |= {"q_norm": read(pre + "self_attn.q_norm.weight").reshape(H, Hd),
+                 "k_norm": read(pre + "self_attn.k_norm.weight").reshape(G, Hd)}
+    layer = {"attn": attn, "attn_norm": {"scale": read(pre + "input_layernorm.weight")},
+             "mlp_norm": {"scale": read(pre + "post_attention_layernorm.weight")}}
+    if not moe:
+        layer["mlp"] = _unmlp(read, pre + "mlp.", *_mlp_names(family, False)[1:])
+        return layer
+    block, gate, up, down = _mlp_names(family, True)
+    experts = [_unmlp(read, pre + f"{block}.experts.{e}.", gate, up, down)
+               for e in range(cfg.moe.num_experts)]
+    router = {"w": read(pre + f"{block}.gate.weight").T}
+    if cfg.moe.expert_bias:
+        router["bias"] = read(pre + "mlp.gate.e_score_correction_bias")
+    layer["moe"] = {"router": router,
+                    "experts": {k: np.stack([x[k] for x in experts]) for k in experts[0]}}
+    if cfg.moe.shared_expert_hidden:
+        layer["moe"]["shared"] = _unmlp(read, pre + "mlp.shared_experts.", "gate_proj",
+                                        "up_proj", "down_proj")
+    return layer
+
+
+def _layer(params: dict, cfg: Config, i: int) -> dict:
+    dense = cfg.model.num_dense_layers
+    stack, j = ("dense_layers", i) if i < dense else ("moe_layers", i - dense)
+    return _index(params[stack], j)
+
+
+def _index(tree, j):
+    return {k: _index(v, j) for k, v in tree.items()} if isinstance(tree, dict) else \
+        np.asarray(tree[j])
+
+
+def _stack(layers: list[dict]):
+    first = layers[0]
+    if isinstance(first, dict):
+        return {k: _stack([x[k] for x in layers]) for k in first}
+    return np.stack(layers)
+
+
+# ---------------------------------------------------------------- safetensors files
+
+
+def write_safetensors(path: Path, tensors, metadata: dict | None = None) -> None:
+    """tensors: {name: array}, or a callable returning a fresh iterator of (name, array)
+    whose arrays are made one at a time: it is run twice, first over shapes only, so
+    the header can go first and no more than one array is held at once."""
+    items = tensors if callable(tensors) else (lambda: iter(tensors.items()))
+    header, offset = {}, 0
+    for name, a in items():
+        a = np.asarray(a)
+        header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, a in items():
+            f.write(np.ascontiguousarray(a).tobytes())
+
+
+class SafetensorsReader:
+    """Memory-mapped tensors of one or many safetensors files (a sharded checkpoint's
+    index names each tensor's file)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        if (directory / INDEX).is_file():
+            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+        elif (directory / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            raise HFError(f"{directory} holds neither {INDEX} nor model.safetensors")
+        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        missing = [f for f in files if not (directory / f).is_file()]
+        if missing:
+            raise HFError(f"{directory}: shard {missing[0]} named by {INDEX} is missing")
+        self.where: dict[str, tuple[Path, dict, int]] = {}
+        for f in files:
+            with open(directory / f, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
+            header.pop("__metadata__", None)
+            for name, info in header.items():
+                self.where[name] = (directory / f, info, 8 + size)
+
+    def __call__(self, name: str) -> np.ndarray:
+        if name not in self.where:
+            raise HFError(f"{self.directory}: tensor {name} is missing")
+        path, info, base = self.where[name]
+        if info["dtype"] not in _DTYPES:
+            raise HFError(f"{path}: tensor {name} has dtype {info['dtype']}; jaxmoe reads "
+                          f"{', '.join(_DTYPES)}")
+        start, end = info["data_offsets"]
+        a = np.memmap(path, dtype=_DTYPES[info["dtype"]], mode="r", offset=base + start,
+                      shape=tuple(info["shape"]) or (1,))
+        return np.asarray(a, np.float32).reshape(info["shape"])
+
+
+# ---------------------------------------------------------------- whole models
+
+
+def params_to_hf(params: dict, cfg: Config, family: str):
+    """(name, tensor) of a model-order params tree, one layer at a time."""
+    yield "model.embed_tokens.weight", np.asarray(params["embed"])
+    for i in range(cfg.model.num_layers):
+        yield from layer_tensors(_layer(params, cfg, i), cfg, family, i).items()
+    yield "model.norm.weight", np.asarray(params["final_norm"]["scale"])
+    yield "lm_head.weight", np.asarray(params["head"]).T
+
+
+def _shapes_only(tree):
+    """The tree with each array replaced by a zero-strided one of its shape and dtype:
+    free to transpose, slice and reshape."""
+    if isinstance(tree, dict):
+        return {k: _shapes_only(v) for k, v in tree.items()}
+    return np.broadcast_to(np.zeros((), np.asarray(tree).dtype), np.shape(tree))
+
+
+def save_hf(params: dict, cfg: Config, out: str | Path, *, dtype: str = "float32",
+            tokenizer=None, shard_bytes: int = 2 << 30) -> dict:
+    """Writes a Hugging Face checkpoint directory; returns its config.json. The host
+    holds `params` and one converted tensor at a time."""
+    family = family_for(cfg)
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype("<f4")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards, size = [[]], 0  # the names in each shard, planned from shapes alone
+    for name, tensor in params_to_hf(_shapes_only(params), cfg, family):
+        nbytes = tensor.size * np_dtype.itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))]
+    shard_of = {name: n for n, names in enumerate(shards) for name in names}
+    for n, file in enumerate(files):
+        write_safetensors(out / file, lambda n=n: (
+            (name, np.asarray(t, np_dtype)) for name, t in params_to_hf(params, cfg, family)
+            if shard_of[name] == n), {"format": "pt"})
+    total = sum(np.prod(t.shape, dtype=np.int64) * np_dtype.itemsize
+                for _, t in params_to_hf(_shapes_only(params), cfg, family))
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": int(total)},
+                                         "weight_map": {k: files[v] for k, v in shard_of.items()}},
+                                        indent=1))
+    eos = None if tokenizer is None else tokenizer.eos_id
+    bos = None if tokenizer is None else tokenizer.bos_id
+    config = hf_config(cfg, family, eos, bos, dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    generation = {"_from_model_config": True, "eos_token_id": eos, "bos_token_id": bos}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=1))
+    if tokenizer is not None and not tokenizer.is_bytes:
+        tokenizer.save(out)
+    return config
+
+
+def load_hf(directory: str | Path) -> tuple[dict, Config]:
+    """(params in model order, Config) of a local Hugging Face checkpoint of a supported
+    family. Anything the config holds that jaxmoe cannot is refused before any weight
+    is read."""
+    directory = Path(directory).expanduser().absolute()
+    if not (directory / "config.json").is_file():
+        raise HFError(f"{directory} holds no config.json")
+    hf = json.loads((directory / "config.json").read_text())
+    cfg = config_from_hf(hf)
+    read = SafetensorsReader(directory)
+    family, m = hf["model_type"], cfg.model
+    embed = read("model.embed_tokens.weight")
+    head = read("lm_head.weight").T if "lm_head.weight" in read.where else embed.T  # tied
+    params = {"embed": embed, "head": np.ascontiguousarray(head),
+              "final_norm": {"scale": read("model.norm.weight")}}
+    layers = [read_layer(read, cfg, family, i, i >= m.num_dense_layers)
+              for i in range(m.num_layers)]
+    if m.num_dense_layers:
+        params["dense_layers"] = _stack(layers[:m.num_dense_layers])
+    params["moe_layers"] = _stack(layers[m.num_dense_layers:])
+    return params, cfg

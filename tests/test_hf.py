@@ -1,0 +1,182 @@
+"""Hugging Face interop: tiny models of each family made with `transformers` import
+with the same logits and export back to the same tensors; a jaxmoe model exports to a
+directory `transformers` loads with the same logits and greedy continuation."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import jaxmoe
+from jaxmoe import hf
+from jaxmoe.hf import HFError, SafetensorsReader, load_hf, save_hf
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+V = 300
+COMMON = dict(vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128)
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0])),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        num_hidden_layers=2, intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=False, eos_token_id=1, pad_token_id=0)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_hidden_layers=2, head_dim=16, intermediate_size=32, num_local_experts=4,
+        num_experts_per_tok=2)),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        max_window_layers=3)),
+}
+
+
+def _hf_model(family, directory):
+    config_cls, model_cls, kw = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**COMMON, **kw)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # norms and biases away from their initial 1s and 0s
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.05 * torch.randn_like(b))
+    model.save_pretrained(directory)
+    return model
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_imports_with_the_same_logits_and_exports_the_same_tensors(family, tmp_path):
+    model = _hf_model(family, tmp_path / "hf")
+    params, cfg = load_hf(tmp_path / "hf")
+    assert hf.family_for(cfg) == family
+    tokens = np.random.default_rng(0).integers(0, V, (2, 12))
+    want = _logits(model, tokens)
+    got, _ = jaxmoe.apply(params, tokens, cfg)
+    # fp32 sums over 64-wide rows in another order: ~1e-6 of the logits' scale
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    assert np.abs(np.asarray(got) - _logits(model, tokens[:, ::-1].copy())).max() > 1e-2
+
+    save_hf(params, cfg, tmp_path / "back", shard_bytes=200_000)  # several shards
+    original, back = SafetensorsReader(tmp_path / "hf"), SafetensorsReader(tmp_path / "back")
+    assert set(back.where) == set(original.where)
+    assert len({path for path, _, _ in back.where.values()}) > 2
+    for name in original.where:
+        np.testing.assert_array_equal(back(name), original(name), err_msg=name)
+    reloaded = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path / "back")
+    np.testing.assert_array_equal(_logits(reloaded.eval(), tokens), want)
+    if family == "qwen3_moe":  # bfloat16: the same tensors, rounded
+        import ml_dtypes
+        save_hf(params, cfg, tmp_path / "bf16", dtype="bfloat16")
+        bf16 = SafetensorsReader(tmp_path / "bf16")
+        for name in original.where:
+            rounded = original(name).astype(ml_dtypes.bfloat16).astype(np.float32)
+            np.testing.assert_array_equal(bf16(name), rounded, err_msg=name)
+        assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_refusals_are_named(tmp_path):
+    tiny = jaxmoe.config_from_dict({"moe": {"expert_bias": True}})  # the default job's router
+    with pytest.raises(HFError, match=r"moe.expert_bias \(a selection bias beside a softmax "
+                                      r"router is in no family \(moe.score_func: sigmoid"):
+        hf.family_for(tiny)
+    with pytest.raises(HFError, match=r"moe.shared_expert_hidden.*dots1"):
+        hf.family_for(jaxmoe.config_from_dict({"moe": {"score_func": "sigmoid"}}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(HFError, match="model_type 'llama' is not one jaxmoe reads"):
+        load_hf(tmp_path)
+    model = _hf_model("mixtral", tmp_path / "m")
+    del model
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "sliding_window": 64}))
+    with pytest.raises(HFError, match=r"sliding_window \(jaxmoe attends to the whole sequence"):
+        load_hf(tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "m" / hf.INDEX).write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(HFError, match="shard model-00002-of-00002.safetensors named by "
+                                      "model.safetensors.index.json is missing"):
+        load_hf(tmp_path / "m")
+
+
+# jaxmoe settings of each family: (qk_norm, moe section)
+TRAINED = {
+    "qwen3_moe": ("head", {}),
+    "olmoe": ("full", {"renormalize": False}),
+    "mixtral": ("none", {}),
+    "dots1": ("head", {"score_func": "sigmoid", "expert_bias": True, "shared_expert_hidden": 32,
+                       "gate_scale": 2.5}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(TRAINED))
+def test_a_trained_model_exports_to_transformers_with_the_same_text(family, tmp_path):
+    from jaxmoe.data import load_corpus
+    from jaxmoe.export import main as export_main
+    from jaxmoe.generate import generate, inference_config
+    from jaxmoe.train import train
+
+    qk_norm, moe = TRAINED[family]
+    dense = 1 if family in ("qwen3_moe", "dots1") else 0
+    cfg = jaxmoe.config_from_dict({
+        "model": {"d_model": 32, "num_layers": 2 + dense, "num_heads": 2, "num_kv_heads": 1,
+                  "num_dense_layers": dense, "mlp_hidden": 64, "qk_norm": qk_norm},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, **moe},
+        "train": {"steps": 3, "batch_size": 8, "seq_len": 16, "eval_every": 0, "eval_batches": 1,
+                  "run_dir": str(tmp_path / "run")},
+        "optimizer": {"warmup_steps": 1, "learning_rate": 1e-2},
+        "logging": {"progress": False}})
+    train(cfg, load_corpus("stdlib", None, 256, 16))
+    assert export_main(["--checkpoint", str(tmp_path / "run"), "--format", "hf",
+                        "--out", str(tmp_path / "hf")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(model).__name__ == hf.FAMILIES[family]
+    params, saved = jaxmoe.load_params(tmp_path / "run")
+    tokens = np.frombuffer(b"\x00def f(x):\n    return", np.uint8).astype(np.int64)[None]
+    vocab = saved.model.vocab_size
+    want = _logits(model, tokens)
+    got, _ = jaxmoe.apply(params, tokens, inference_config(saved))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    ours = np.asarray(generate(params, tokens, saved, key=jax.random.key(0), max_new_tokens=12,
+                               temperature=0.0))
+    prompt = torch.as_tensor(tokens)  # starts with byte 0, the EOS: no padding to infer
+    with torch.no_grad():
+        theirs = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                                do_sample=False, eos_token_id=None, pad_token_id=vocab - 1)
+    np.testing.assert_array_equal(ours, theirs.numpy()[:, tokens.shape[1]:])
+
+
+def test_init_from_hf_starts_a_run_from_the_checkpoint(tmp_path):
+    from jaxmoe.batches import heldout_batches
+    from jaxmoe.data import load_corpus
+    from jaxmoe.train import train
+
+    model = _hf_model("qwen3_moe", tmp_path / "hf")
+    weights, hf_cfg = load_hf(tmp_path / "hf")
+    user = jaxmoe.config_from_dict({
+        "moe": {"dispatcher": "dense"},
+        "train": {"steps": 1, "batch_size": 8, "seq_len": 16, "eval_batches": 1, "eval_every": 0,
+                  "run_dir": str(tmp_path / "run")},
+        "optimizer": {"warmup_steps": 0}, "logging": {"progress": False}})
+    cfg = hf.with_architecture(user, hf_cfg)
+    assert cfg.model.d_model == 64 and cfg.moe.dispatcher == "dense"  # shapes theirs, the rest ours
+    corpus = load_corpus("stdlib", None, V, 16)
+    summary = train(cfg, corpus, init_weights=weights)
+    (batch,) = heldout_batches(corpus.heldout, 8, 16, 1)
+    logits = torch.as_tensor(_logits(model, batch[:, :-1]))
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, V),
+                                             torch.as_tensor(batch[:, 1:]).reshape(-1).long())
+    np.testing.assert_allclose(summary["heldout_loss_initial"], float(want), rtol=1e-5)
