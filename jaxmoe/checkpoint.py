@@ -25,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxmoe.config import Config, config_from_dict
+from jaxmoe.config import Config, config_from_dict, current_value
 from jaxmoe.model.transformer import stored_layer_order
 from jaxmoe.step import Steps, TrainState, abstract_model
 
@@ -218,7 +218,7 @@ def check_compatible(saved: dict, cfg: Config, where: Path) -> None:
     current = cfg.to_dict()
     diffs = [f"{sec}.{key}: checkpoint {saved[sec].get(key)!r}, config {current[sec][key]!r}"
              for sec, keys in SHAPE_KEYS.items() for key in keys
-             if saved.get(sec, {}).get(key) != current[sec][key]]
+             if current_value(f"{sec}.{key}", saved.get(sec, {}).get(key)) != current[sec][key]]
     if diffs:
         raise CheckpointError(f"checkpoint {where} was made for another model shape: "
                               + "; ".join(diffs))

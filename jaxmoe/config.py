@@ -338,6 +338,13 @@ RENAMED = {"train.microbatches": _BOTH_MICROBATCHES, "pipeline.microbatches": _B
 LEGACY_VALUES = {"model.qk_norm": {True: "head", False: "none"}}
 
 
+def current_value(key: str, value: Any) -> Any:
+    """`value` of the dotted `key` as this jaxmoe spells it."""
+    if type(value) is bool and key in LEGACY_VALUES:
+        return LEGACY_VALUES[key][value]
+    return value
+
+
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(raw).__name__}")
@@ -355,8 +362,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     for name, value in raw.items():
         key = f"{prefix}.{name}" if prefix else name
         tp = hints[name]
-        if type(value) is bool and key in LEGACY_VALUES:
-            value = LEGACY_VALUES[key][value]
+        value = current_value(key, value)
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value if value is not None else {}, key)
         else:

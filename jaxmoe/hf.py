@@ -27,6 +27,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jaxmoe.api import check_params
 from jaxmoe.config import Config, config_from_dict
 
 FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
@@ -131,14 +132,27 @@ def config_from_hf(hf: dict) -> Config:
     if family not in FAMILIES:
         raise HFError(f"config.json: model_type {family!r} is not one jaxmoe reads (families: "
                       f"{', '.join(FAMILIES)})")
+    required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_experts_per_tok"]
+    missing = [k for k in required if not hf.get(k)]
+    if missing:
+        raise HFError(f"config.json ({family}): no value for {', '.join(missing)}")
     get = hf.get
-    rope = get("rope_parameters") or {"rope_type": "default", "rope_theta": get("rope_theta")}
+    rope = dict(get("rope_parameters") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    # transformers' defaults where a config leaves them out
+    theta = rope.get("rope_theta") or get("rope_theta") or (1e6 if family == "mixtral" else 1e4)
+    eps = get("rms_norm_eps") or (1e-5 if family in ("olmoe", "mixtral") else 1e-6)
     layer_types = get("layer_types") or []
     problems = [
+        ("quantization_config", get("quantization_config") is not None,
+         "jaxmoe reads unquantised weights"),
+        ("tie_word_embeddings", bool(get("tie_word_embeddings")),
+         "jaxmoe's LM head is its own matrix (untie the checkpoint first)"),
+        ("rope_scaling", bool(get("rope_scaling")), "jaxmoe has plain RoPE only"),
         ("attention_bias", bool(get("attention_bias")), "jaxmoe's projections have no bias"),
         ("hidden_act", get("hidden_act", "silu") != "silu", "jaxmoe's MLPs are SwiGLU"),
-        ("rope_parameters.rope_type", rope.get("rope_type", "default") != "default",
-         "jaxmoe has plain RoPE only"),
+        ("rope_parameters.rope_type", rope_type != "default", "jaxmoe has plain RoPE only"),
         ("use_sliding_window", family == "qwen3_moe" and bool(get("use_sliding_window")),
          "jaxmoe attends to the whole sequence"),
         ("sliding_window", family == "mixtral" and get("sliding_window") is not None,
@@ -175,8 +189,7 @@ def config_from_hf(hf: dict) -> Config:
              "head_dim": head_dim if head_dim * heads != d else 0,
              "mlp_hidden": get("intermediate_size"), "num_dense_layers": dense,
              "qk_norm": {"olmoe": "full", "mixtral": "none"}.get(family, "head"),
-             "rope_theta": float(rope.get("rope_theta") or 10_000.0),
-             "norm_eps": float(get("rms_norm_eps", 1e-6))}
+             "rope_theta": float(theta), "norm_eps": float(eps)}
     moe = {"num_experts": experts, "top_k": top_k, "expert_hidden": expert_hidden,
            "score_func": "sigmoid" if family == "dots1" else "softmax",
            "renormalize": True if family == "mixtral" else bool(get("norm_topk_prob")),
@@ -317,24 +330,25 @@ def _stack(layers: list[dict]):
 # ---------------------------------------------------------------- safetensors files
 
 
-def write_safetensors(path: Path, tensors, metadata: dict | None = None) -> None:
-    """tensors: {name: array}, or a callable returning a fresh iterator of (name, array)
-    whose arrays are made one at a time: it is run twice, first over shapes only, so
-    the header can go first and no more than one array is held at once."""
-    items = tensors if callable(tensors) else (lambda: iter(tensors.items()))
-    header, offset = {}, 0
-    for name, a in items():
-        a = np.asarray(a)
-        header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
+def write_safetensors(path: Path, header: list[tuple[str, tuple, np.dtype]], arrays,
+                      metadata: dict | None = None) -> None:
+    """header: (name, shape, dtype) of each tensor; arrays: a callable returning an
+    iterator of the arrays in that order, made one at a time, so the file is written
+    holding one array at once."""
+    entries, offset = {}, 0
+    for name, shape, dtype in header:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        entries[name] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape),
+                         "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     if metadata:
-        header["__metadata__"] = metadata
-    raw = json.dumps(header, separators=(",", ":")).encode()
+        entries["__metadata__"] = metadata
+    raw = json.dumps(entries, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
-        for name, a in items():
+        for (name, shape, dtype), a in zip(header, arrays()):
+            assert a.shape == tuple(shape) and a.dtype == dtype, name
             f.write(np.ascontiguousarray(a).tobytes())
 
 
@@ -401,12 +415,21 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, dtype: str = "float32
     """Writes a Hugging Face checkpoint directory; returns its config.json. The host
     holds `params` and one converted tensor at a time."""
     family = family_for(cfg)
-    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype("<f4")
+    wanted = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype("<f4")
+
+    def dtype_of(name):  # dots1 keeps its router in fp32 (transformers loads it so)
+        fp32 = family == "dots1" and name.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+        return np.dtype("<f4") if fp32 else wanted
+
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise HFError(f"--out {out} is a file; give a directory")
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), out / INDEX]:  # a leftover would be read
+        stale.unlink(missing_ok=True)
     shards, size = [[]], 0  # the names in each shard, planned from shapes alone
     for name, tensor in params_to_hf(_shapes_only(params), cfg, family):
-        nbytes = tensor.size * np_dtype.itemsize
+        nbytes = tensor.size * dtype_of(name).itemsize
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -414,12 +437,13 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, dtype: str = "float32
         size += nbytes
     files = [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))]
     shard_of = {name: n for n, names in enumerate(shards) for name in names}
+    shapes = dict(params_to_hf(_shapes_only(params), cfg, family))
     for n, file in enumerate(files):
-        write_safetensors(out / file, lambda n=n: (
-            (name, np.asarray(t, np_dtype)) for name, t in params_to_hf(params, cfg, family)
+        header = [(name, shapes[name].shape, dtype_of(name)) for name in shards[n]]
+        write_safetensors(out / file, header, lambda n=n: (
+            np.asarray(t, dtype_of(name)) for name, t in params_to_hf(params, cfg, family)
             if shard_of[name] == n), {"format": "pt"})
-    total = sum(np.prod(t.shape, dtype=np.int64) * np_dtype.itemsize
-                for _, t in params_to_hf(_shapes_only(params), cfg, family))
+    total = sum(int(np.prod(t.shape)) * dtype_of(name).itemsize for name, t in shapes.items())
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": int(total)},
                                          "weight_map": {k: files[v] for k, v in shard_of.items()}},
                                         indent=1))
@@ -434,24 +458,38 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, dtype: str = "float32
     return config
 
 
+def read_config(directory: str | Path) -> tuple[dict, Config]:
+    """(config.json, its jaxmoe Config) of a Hugging Face checkpoint directory."""
+    directory = Path(directory).expanduser().absolute()
+    if not (directory / "config.json").is_file():
+        raise HFError(f"{directory} holds no config.json")
+    try:
+        hf = json.loads((directory / "config.json").read_text())
+    except ValueError as e:
+        raise HFError(f"{directory / 'config.json'} is not valid JSON ({e})") from None
+    return hf, config_from_hf(hf)
+
+
 def load_hf(directory: str | Path) -> tuple[dict, Config]:
     """(params in model order, Config) of a local Hugging Face checkpoint of a supported
     family. Anything the config holds that jaxmoe cannot is refused before any weight
     is read."""
     directory = Path(directory).expanduser().absolute()
-    if not (directory / "config.json").is_file():
-        raise HFError(f"{directory} holds no config.json")
-    hf = json.loads((directory / "config.json").read_text())
-    cfg = config_from_hf(hf)
+    hf, cfg = read_config(directory)
     read = SafetensorsReader(directory)
     family, m = hf["model_type"], cfg.model
-    embed = read("model.embed_tokens.weight")
-    head = read("lm_head.weight").T if "lm_head.weight" in read.where else embed.T  # tied
-    params = {"embed": embed, "head": np.ascontiguousarray(head),
-              "final_norm": {"scale": read("model.norm.weight")}}
-    layers = [read_layer(read, cfg, family, i, i >= m.num_dense_layers)
-              for i in range(m.num_layers)]
-    if m.num_dense_layers:
-        params["dense_layers"] = _stack(layers[:m.num_dense_layers])
-    params["moe_layers"] = _stack(layers[m.num_dense_layers:])
+    try:
+        params = {"embed": read("model.embed_tokens.weight"),
+                  "head": np.ascontiguousarray(read("lm_head.weight").T),
+                  "final_norm": {"scale": read("model.norm.weight")}}
+        layers = [read_layer(read, cfg, family, i, i >= m.num_dense_layers)
+                  for i in range(m.num_layers)]
+        if m.num_dense_layers:
+            params["dense_layers"] = _stack(layers[:m.num_dense_layers])
+        params["moe_layers"] = _stack(layers[m.num_dense_layers:])
+        check_params(params, cfg)
+    except ValueError as e:  # a reshape that does not fit, or check_params's verdict
+        if isinstance(e, HFError):
+            raise
+        raise HFError(f"{directory}: the tensors do not match config.json: {e}") from None
     return params, cfg

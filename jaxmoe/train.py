@@ -197,14 +197,19 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set)
         weights = None
         if args.init_from_hf:
-            weights, hf_cfg = hf.load_hf(args.init_from_hf)
-            cfg = hf.with_architecture(cfg, hf_cfg)
+            cfg = hf.with_architecture(cfg, hf.read_config(args.init_from_hf)[1])
         corpus = load_corpus(cfg.data.source, cfg.data.path, cfg.model.vocab_size,
                              cfg.train.seq_len, cfg.data.heldout_fraction, cfg.data.token_dtype,
                              cfg.data.weights)
         make_mesh(cfg.mesh)  # device-count errors before anything compiles
         sinks.check_available(cfg)
         check_resumable(cfg, args.resume)
+        if args.init_from_hf:
+            if checkpoint.complete_steps(checkpoint.checkpoint_dir(cfg.train.run_dir)):
+                print(f"resuming: the weights of --init-from-hf {args.init_from_hf} are not read",
+                      file=sys.stderr)
+            else:
+                weights, _ = hf.load_hf(args.init_from_hf)
         train(cfg, corpus, stop_after=args.stop_after, init_weights=weights)
     except (DistributedError, ConfigError, DataError, TokenizerError, CheckpointError,
             TooManyBadSteps, hf.HFError) as e:

@@ -379,3 +379,14 @@ def test_sigterm_saves_and_stops(tmp_path):
     assert "stopped on SIGTERM" in out
     steps = checkpoint.complete_steps(checkpoint.checkpoint_dir(tmp_path))
     assert len(steps) == 1 and 3 <= steps[0] < 400
+
+
+def test_a_checkpoint_saved_with_a_boolean_qk_norm_still_fits():
+    cfg = config_from_dict({})
+    saved = cfg.to_dict()
+    saved["model"] = {**saved["model"], "qk_norm": True}  # as checkpoints before "head" said
+    checkpoint.check_compatible(saved, cfg, Path("old"))
+    saved["model"]["qk_norm"] = False
+    with pytest.raises(checkpoint.CheckpointError,
+                       match="model.qk_norm: checkpoint False, config 'head'"):
+        checkpoint.check_compatible(saved, cfg, Path("old"))

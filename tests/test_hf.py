@@ -77,6 +77,13 @@ def test_imports_with_the_same_logits_and_exports_the_same_tensors(family, tmp_p
         np.testing.assert_array_equal(back(name), original(name), err_msg=name)
     reloaded = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path / "back")
     np.testing.assert_array_equal(_logits(reloaded.eval(), tokens), want)
+    if family == "dots1":  # bfloat16 keeps the router in fp32, as transformers loads it
+        save_hf(params, cfg, tmp_path / "bf16", dtype="bfloat16")
+        dtypes = {n: info["dtype"] for n, (_, info, _) in SafetensorsReader(tmp_path / "bf16")
+                  .where.items()}
+        assert dtypes["model.layers.1.mlp.gate.weight"] == "F32"
+        assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == "F32"
+        assert dtypes["model.layers.1.mlp.experts.0.up_proj.weight"] == "BF16"
     if family == "qwen3_moe":  # bfloat16: the same tensors, rounded
         import ml_dtypes
         save_hf(params, cfg, tmp_path / "bf16", dtype="bfloat16")
@@ -100,9 +107,15 @@ def test_refusals_are_named(tmp_path):
     model = _hf_model("mixtral", tmp_path / "m")
     del model
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "sliding_window": 64}))
-    with pytest.raises(HFError, match=r"sliding_window \(jaxmoe attends to the whole sequence"):
-        load_hf(tmp_path / "m")
+    for change, message in [
+            ({"sliding_window": 64}, r"sliding_window \(jaxmoe attends to the whole sequence"),
+            ({"tie_word_embeddings": True}, r"tie_word_embeddings \(jaxmoe's LM head"),
+            ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"rope_scaling"),
+            ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config"),
+            ({"num_experts_per_tok": None}, r"no value for num_experts_per_tok")]:
+        (tmp_path / "m" / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(HFError, match=message):
+            load_hf(tmp_path / "m")
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     (tmp_path / "m" / hf.INDEX).write_text(json.dumps(
         {"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}}))
