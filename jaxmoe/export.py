@@ -76,7 +76,6 @@ def export_hf(checkpoint_path: str | Path, out: str | Path, dtype: str = "float3
     directory, step = checkpoint.locate(checkpoint_path)
     step, _ = checkpoint.read_meta(directory, step, weights_only=True)
     weights, cfg = checkpoint.restore_weights(directory, step)
-    hf.family_for(cfg)  # refused before anything is written
     run_dir = directory.parent if directory.name == "checkpoints" else directory
     saved = run_dir / RUN_SUBDIR
     tokenizer = load_tokenizer(saved) if saved.is_dir() else None

@@ -80,10 +80,14 @@ def family_for(cfg: Config) -> str:
 
 
 def _refuse(what: str, problems: list, families: str) -> None:
+    _raise_for(problems, f"no Hugging Face family takes this model: with {what} ({families}), ")
+
+
+def _raise_for(problems: list, preface: str) -> None:
+    """HFError listing each (key, wrong, why) that is wrong, after `preface`."""
     bad = [f"{key} ({why})" for key, wrong, why in problems if wrong]
     if bad:
-        raise HFError(f"no Hugging Face family takes this model: with {what} ({families}), "
-                      + "; ".join(bad))
+        raise HFError(preface + "; ".join(bad))
 
 
 def hf_config(cfg: Config, family: str, eos_id: int | None = None, bos_id: int | None = None,
@@ -171,9 +175,7 @@ def config_from_hf(hf: dict) -> Config:
         ("n_shared_experts", family == "dots1" and not get("n_shared_experts"),
          "jaxmoe's sigmoid router comes with a shared expert here"),
     ]
-    bad = [f"{key} ({why})" for key, wrong, why in problems if wrong]
-    if bad:
-        raise HFError(f"config.json ({family}): cannot be represented in jaxmoe: " + "; ".join(bad))
+    _raise_for(problems, f"config.json ({family}): cannot be represented in jaxmoe: ")
     heads, d = get("num_attention_heads"), get("hidden_size")
     head_dim = get("head_dim") or d // heads
     dense = {"qwen3_moe": len(get("mlp_only_layers") or []),
