@@ -213,15 +213,21 @@ def read_meta(directory: str | Path, step: int | None = None,
 
 
 def check_compatible(saved: dict, cfg: Config, where: Path) -> None:
-    """Rejects resuming with a model whose shapes differ from the checkpoint's (the
-    mesh and pipeline layout may differ)."""
+    """Rejects resuming with a model whose shapes differ from the checkpoint's, or
+    with another optimizer (the mesh and pipeline layout may differ, and so may
+    optimizer.mu_dtype: orbax casts the first moment as it reads it)."""
     current = cfg.to_dict()
     diffs = [f"{sec}.{key}: checkpoint {saved[sec].get(key)!r}, config {current[sec][key]!r}"
              for sec, keys in SHAPE_KEYS.items() for key in keys
              if current_value(f"{sec}.{key}", saved.get(sec, {}).get(key)) != current[sec][key]]
+    # another optimizer holds another state (checkpoints without the key are adamw's)
+    saved_optimizer = saved.get("optimizer", {}).get("name", "adamw")
+    if saved_optimizer != cfg.optimizer.name:
+        diffs.append(f"optimizer.name: checkpoint {saved_optimizer!r}, config "
+                     f"{cfg.optimizer.name!r}")
     if diffs:
-        raise CheckpointError(f"checkpoint {where} was made for another model shape: "
-                              + "; ".join(diffs))
+        raise CheckpointError(f"checkpoint {where} was made for another model shape or "
+                              "optimizer: " + "; ".join(diffs))
 
 
 def abstract_target(steps: Steps) -> TrainState:

@@ -94,6 +94,17 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    # "adamw": jaxmoe's fused AdamW (b1, b2, eps below). Any other name is an optax
+    # optimizer function ("lion", "adafactor", "sgd", ...; "optax.adamw" for optax's
+    # own), called with the schedule as its learning_rate, and weight_decay, no_decay
+    # (as its mask) and mu_dtype where it takes them; a step that is skipped for a
+    # non-finite loss or gradient leaves its state as it was. Optimizers that take
+    # statistics over whole tensors (adafactor, lamb, lars, ...) need mesh.parallelism:
+    # fsdp where the mesh splits tensors: the ddp step updates each device's part alone.
+    name: str = "adamw"
+    # further arguments of an optax optimizer, e.g. {b2: 0.99} for lion (optax's
+    # defaults otherwise: b1, b2 and eps above are the fused AdamW's)
+    optax_kwargs: dict[str, Any] = field(default_factory=dict)
     learning_rate: float = 3e-3
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     warmup_steps: int = 20
@@ -102,8 +113,22 @@ class OptimizerConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # decoupled: each step subtracts lr * weight_decay * parameter
+    # parameters left out of weight decay: glob patterns matched against a parameter's
+    # path, e.g. "embed" (the token embedding, as OLMo), "*router*", "head"; [] decays
+    # every matrix. Norms and biases never decay (1-D tensors, and paths with a part
+    # containing "norm" or ending in "bias" or "scale").
+    no_decay: tuple[str, ...] = ("embed",)
+    # dtype of the stored first moment; bfloat16 halves its memory (the update is
+    # still computed in float32; the second moment stays float32)
+    mu_dtype: Literal["float32", "bfloat16"] = "float32"
     grad_clip: float = 1.0  # global-norm clip; 0 disables
+
+    def __hash__(self) -> int:
+        """Configs are static jit arguments; optax_kwargs' values may be unhashable
+        (lists), so only its keys are hashed (equal configs still hash equally)."""
+        return hash(tuple(tuple(sorted(v)) if isinstance(v, dict) else v
+                          for v in (getattr(self, f.name) for f in dataclasses.fields(self))))
 
 
 @dataclass(frozen=True)
@@ -266,6 +291,14 @@ def validate(c: Config) -> None:
     _require(0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0, "optimizer.b1", "betas must be in [0, 1)")
     _require(o.warmup_steps < t.steps, "optimizer.warmup_steps",
              f"{o.warmup_steps} must be below train.steps={t.steps}")
+    _require(all(p.strip() for p in o.no_decay), "optimizer.no_decay", "empty pattern")
+    if o.name == "adamw":
+        _require(not o.optax_kwargs, "optimizer.optax_kwargs",
+                 "jaxmoe's adamw takes none (its knobs are optimizer.b1, b2, eps); name an "
+                 "optax optimizer to use them, e.g. optimizer.name: optax.adamw")
+    else:
+        from jaxmoe.optim import check_optax  # imports jax: only for optax optimizers
+        check_optax(o)
     _require(0.0 < c.data.heldout_fraction <= 0.5, "data.heldout_fraction", "must be in (0, 0.5]")
     d = c.data
     if d.source != "stdlib":
@@ -313,6 +346,15 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0])
+    if origin is dict:  # dict[str, X]: YAML gives a mapping, copied so the config owns it
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        value_tp = typing.get_args(tp)[1]
+        for k in value:
+            if not isinstance(k, str):
+                raise ConfigError(f"{key}: keys must be names, got {type(k).__name__} {k!r}")
+        return {k: v if value_tp is Any else _check_type(v, value_tp, f"{key}.{k}")
+                for k, v in value.items()}
     if origin is tuple:  # tuple[X, ...]: YAML gives a list
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")

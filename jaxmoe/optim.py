@@ -1,35 +1,49 @@
-"""AdamW with global-norm clipping, fused into one pass per tensor, and its schedules.
+"""The optimizer: jaxmoe's fused AdamW or any optax optimizer by name, each after a
+global-norm clip and with a real skip; the weight-decay mask; the schedules.
 
 `make_optimizer` returns an optax transformation, so it composes with optax and
-works in anyone's own train step. Its update differs from chaining optax's
-`clip_by_global_norm`, `scale_by_adam`, `add_decayed_weights` and
-`scale_by_learning_rate` in two ways that matter at scale:
+works in anyone's own train step. The default, `name: adamw`, gives the numbers
+of chaining optax's `clip_by_global_norm`, `scale_by_adam`, `add_decayed_weights`
+and `scale_by_learning_rate`, computed so that a train step reads and writes
+each tensor once:
 
 - Each tensor's new moments and update come from one elementwise expression, so
-  XLA makes one pass per output over the parameter, gradient and moments. The
-  chained form, followed by a `where` that keeps the old state on a skipped step,
-  made XLA recompute the moments inside the parameter update and copy both
+  XLA makes one pass per output over the parameter, gradient and moments. A
+  chained optimizer followed by a `where` that keeps the old state on a skipped
+  step makes XLA recompute the moments inside the parameter update and copy both
   donated moment buffers first: twice the optimizer's memory traffic, which for
   a many-expert model is a large share of the step (benchmarks/RESULTS.md).
 - `skip` (a traced bool) makes the step a no-op inside those same expressions:
   moments, count and parameters stay as they were.
+
+Any other name is an optax optimizer wrapped to keep the same contract (the
+skip becomes a `where` over its state, at that extra memory traffic).
+
+Weight decay is masked by parameter path: `decay_mask`.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import fnmatch
+import inspect
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmoe.config import OptimizerConfig
+from jaxmoe.config import ConfigError, OptimizerConfig
 
 
 class AdamWState(NamedTuple):
     count: jax.Array  # int32: optimizer steps taken (skipped steps not counted)
-    mu: Any  # first moments, shaped like the parameters
+    mu: Any  # first moments, shaped like the parameters, in `mu_dtype`
     nu: Any  # second moments
+
+
+class OptaxState(NamedTuple):
+    count: jax.Array  # int32: optimizer steps taken (skipped steps not counted)
+    inner: Any  # the optax optimizer's own state
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -49,38 +63,81 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     return optax.join_schedules([warm, after], [cfg.warmup_steps])
 
 
+# ---------------------------------------------------------------- weight-decay mask
+
+
+def param_name(path) -> str:
+    """A parameter's path joined with "/", e.g. "moe_layers/moe/router/w" (an nnx
+    Variable's trailing `.value` left out)."""
+    parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and parts[-1] == "value":
+        parts = parts[:-1]
+    return "/".join(parts)
+
+
+def _is_norm_or_bias(name: str, p) -> bool:
+    """Vectors, and what the name says is a norm or a bias: stacked layers give a
+    norm's scale a leading layer axis, so the rank alone would call it a matrix."""
+    parts = name.lower().split("/")
+    return (p.ndim < 2 or any("norm" in part for part in parts)
+            or parts[-1].endswith(("bias", "scale")))
+
+
+def decays(name: str, p, no_decay: tuple[str, ...]) -> bool:
+    """Whether weight decay applies to the parameter `p` at path `name`."""
+    return not (_is_norm_or_bias(name, p) or any(fnmatch.fnmatchcase(name, pattern)
+                                                 for pattern in no_decay))
+
+
+def decay_mask(params, no_decay: tuple[str, ...]):
+    """A tree like `params` holding, for each parameter, whether it decays. Static:
+    it depends on paths and ranks only."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    return treedef.unflatten([decays(param_name(path), p, no_decay) for path, p in leaves])
+
+
+def unmatched_patterns(params, no_decay: tuple[str, ...]) -> list[str]:
+    """The `no_decay` patterns that match no parameter of `params` (typos)."""
+    names = [param_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    return [pattern for pattern in no_decay
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in names)]
+
+
+# ---------------------------------------------------------------- the optimizer
+
+
 def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformationExtraArgs:
-    """AdamW (decoupled weight decay on matrices only, not norms or biases) after a
-    global-norm clip of `cfg.grad_clip` (0 disables).
+    """`cfg.name` after a global-norm clip of `cfg.grad_clip` (0 disables), with
+    decoupled weight decay on the parameters `decay_mask` selects.
 
     `update(grads, state, params, skip=None, grad_norm=None)`: with `skip` true the
     returned updates are zero and the state is returned unchanged; `grad_norm`, the
     gradients' global norm when the caller has it already, saves computing it again.
     """
     schedule = learning_rate_schedule(cfg, total_steps)
+    if cfg.name != "adamw":
+        return _with_clip_and_skip(optax_optimizer(cfg, schedule), cfg.grad_clip)
     b1, b2, eps, wd, clip = cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.grad_clip
+    mu_dtype = jnp.dtype(cfg.mu_dtype)
 
     def init(params):
-        zeros = lambda p: jnp.zeros_like(p)  # noqa: E731
-        return AdamWState(jnp.zeros([], jnp.int32), jax.tree.map(zeros, params),
-                          jax.tree.map(zeros, params))
+        return AdamWState(jnp.zeros([], jnp.int32),
+                          jax.tree.map(lambda p: jnp.zeros_like(p, mu_dtype), params),
+                          jax.tree.map(jnp.zeros_like, params))
 
     def update(grads, state: AdamWState, params=None, *, skip=None, grad_norm=None, **_):
         if params is None:
             raise ValueError("make_optimizer's AdamW needs params (for weight decay)")
         take = jnp.bool_(True) if skip is None else ~jnp.asarray(skip, bool)
-        if clip > 0:
-            norm = optax.tree.norm(grads) if grad_norm is None else grad_norm
-            scale = clip / jnp.maximum(norm, clip)
-        else:
-            scale = jnp.float32(1)
+        scale = _clip_scale(grads, clip, grad_norm)
         count = state.count + take.astype(jnp.int32)
         lr = schedule(state.count)
         # Bias corrections at the new count (1 when skipping keeps count at 0).
         t = jnp.maximum(count, 1).astype(jnp.float32)
         c1, c2 = 1 - b1 ** t, 1 - b2 ** t
 
-        def first(g, m):
+        def first(g, m):  # in float32 whatever the stored dtype; rounded once, on storing
+            m = m.astype(jnp.float32)
             return jnp.where(take, b1 * m + (1 - b1) * (g * scale.astype(g.dtype)), m)
 
         def second(g, v):
@@ -90,12 +147,154 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
         mu = jax.tree.map(first, grads, state.mu)
         nu = jax.tree.map(second, grads, state.nu)
 
-        def step(p, m, v):
+        def step(p, m, v, decay):
             u = (m / c1) / (jnp.sqrt(v / c2) + eps)
-            if p.ndim >= 2:
+            if decay:
                 u = u + wd * p
             return jnp.where(take, -lr * u, 0).astype(p.dtype)
 
-        return jax.tree.map(step, params, mu, nu), AdamWState(count, mu, nu)
+        updates = jax.tree.map(step, params, mu, nu, decay_mask(params, cfg.no_decay))
+        return updates, AdamWState(count, jax.tree.map(lambda m: m.astype(mu_dtype), mu), nu)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _clip_scale(grads, clip: float, grad_norm) -> jax.Array:
+    """The factor that brings the gradients' global norm down to `clip` (0: none)."""
+    if clip <= 0:
+        return jnp.float32(1)
+    norm = optax.tree.norm(grads) if grad_norm is None else grad_norm
+    return clip / jnp.maximum(norm, clip)
+
+
+def _with_clip_and_skip(inner: optax.GradientTransformation,
+                        clip: float) -> optax.GradientTransformationExtraArgs:
+    """`inner` after the global-norm clip, with `make_optimizer`'s update contract."""
+
+    def init(params):
+        return OptaxState(jnp.zeros([], jnp.int32), inner.init(params))
+
+    def update(grads, state: OptaxState, params=None, *, skip=None, grad_norm=None, **extra):
+        scale = _clip_scale(grads, clip, grad_norm)
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        updates, new_inner = inner.update(grads, state.inner, params, **extra)
+        if skip is None:
+            return updates, OptaxState(state.count + 1, new_inner)
+        take = ~jnp.asarray(skip, bool)
+        updates = jax.tree.map(lambda u: jnp.where(take, u, jnp.zeros_like(u)), updates)
+        new_inner = jax.tree.map(lambda new, old: jnp.where(take, new, old), new_inner,
+                                 state.inner)
+        return updates, OptaxState(state.count + take.astype(jnp.int32), new_inner)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+# ---------------------------------------------------------------- optax by name
+
+# Arguments jaxmoe fills from its own keys, where the optax function takes them.
+_SET_BY = {"learning_rate": "learning_rate", "weight_decay": "weight_decay",
+           "weight_decay_rate": "weight_decay", "mask": "no_decay",
+           "weight_decay_mask": "no_decay", "mu_dtype": "mu_dtype"}
+
+
+def optax_function(name: str) -> Callable[..., optax.GradientTransformation]:
+    """The optax optimizer `name` ("lion" or "optax.lion") names: a function of
+    optax taking a `learning_rate`; raises ConfigError otherwise."""
+    bare = name.removeprefix("optax.")
+    fn = getattr(optax, bare, None) if bare.isidentifier() and not bare.startswith("_") else None
+    # functions and partials of them (nadamw is adamw with nesterov=True); not classes
+    if (not callable(fn) or inspect.isclass(fn)
+            or "learning_rate" not in inspect.signature(fn).parameters):
+        raise ConfigError(f"optimizer.name: {name!r} is neither 'adamw' (jaxmoe's) nor an optax "
+                          "optimizer (a function of optax taking a learning_rate, e.g. lion, "
+                          "adafactor, sgd, optax.adamw)")
+    return fn
+
+
+def _optax_arguments(cfg: OptimizerConfig, fn: Callable, learning_rate) -> dict[str, Any]:
+    """The keyword arguments jaxmoe calls `fn` with; raises ConfigError naming the key
+    where the config asks for something `fn` cannot do."""
+    label = f"optax.{cfg.name.removeprefix('optax.')}"
+    takes = inspect.signature(fn).parameters
+    any_keyword = any(p.kind is p.VAR_KEYWORD for p in takes.values())
+    for k in cfg.optax_kwargs:
+        if k in _SET_BY:
+            raise ConfigError(f"optimizer.optax_kwargs.{k}: set through "
+                              f"optimizer.{_SET_BY[k]}")
+        if k not in takes and not any_keyword:
+            raise ConfigError(f"optimizer.optax_kwargs.{k}: {label} takes no argument {k!r} "
+                              f"(it takes {', '.join(n for n in takes if n not in _SET_BY)})")
+    args = {"learning_rate": learning_rate, **cfg.optax_kwargs}
+    decay_arg = next((n for n in ("weight_decay", "weight_decay_rate") if n in takes), None)
+    mask_arg = next((n for n in ("mask", "weight_decay_mask") if n in takes), None)
+    if cfg.weight_decay > 0:
+        if decay_arg is None:
+            raise ConfigError(f"optimizer.weight_decay: {label} has no weight decay; set "
+                              "optimizer.weight_decay: 0")
+        if mask_arg is None:
+            raise ConfigError(f"optimizer.weight_decay: {label}'s weight decay takes no mask, "
+                              "so it would decay norms, biases and optimizer.no_decay too; set "
+                              "optimizer.weight_decay: 0")
+    if decay_arg is not None:
+        args[decay_arg] = cfg.weight_decay
+    if mask_arg is not None:
+        args[mask_arg] = lambda params: decay_mask(params, cfg.no_decay)
+    if "mu_dtype" in takes:
+        args["mu_dtype"] = jnp.dtype(cfg.mu_dtype)
+    elif cfg.mu_dtype != "float32":
+        raise ConfigError(f"optimizer.mu_dtype: {label} takes no mu_dtype (the dtype of a first "
+                          "moment)")
+    return args
+
+
+def optax_optimizer(cfg: OptimizerConfig, learning_rate) -> optax.GradientTransformation:
+    """The optax optimizer `cfg.name`, called with `learning_rate` (a schedule or a
+    number) and the config's arguments: without the clip and the skip."""
+    fn = optax_function(cfg.name)
+    return fn(**_optax_arguments(cfg, fn, learning_rate))
+
+
+def check_optax(cfg: OptimizerConfig) -> None:
+    """Raises ConfigError naming the key if `cfg` names an optax optimizer that cannot
+    be built or updated as configured: an unknown name or argument, a bad argument
+    value, one that needs more than gradients, state and parameters to update. Only
+    traces the update, on a two-tensor tree."""
+    tx = optax_optimizer(cfg, 1e-3)
+    tree = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32),
+            "norm": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    try:
+        jax.eval_shape(lambda p: tx.update(p, tx.init(p), p), tree)
+    except Exception as e:  # whatever optax raises: the configured optimizer cannot run
+        key = "optimizer.optax_kwargs" if cfg.optax_kwargs else "optimizer.name"
+        detail = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(f"{key}: optax.{cfg.name.removeprefix('optax.')} with "
+                          f"{cfg.optax_kwargs} fails a test update: {type(e).__name__}: "
+                          f"{detail}") from None
+
+
+def updates_are_elementwise(cfg: OptimizerConfig) -> bool:
+    """Whether the optimizer updates each element from that element's own history
+    alone, so that updating the parts of a split tensor separately (what the ddp
+    step does with each device's ZeRO-1 shard) equals updating it whole. Adam-like
+    optimizers are; ones with per-tensor statistics (lamb, lars, adafactor's factored
+    moments and parameter scale) are not. Measured: two steps on a 128 x 256 tensor
+    (adafactor factors tensors from 128 on), whole and in two halves."""
+    if cfg.name == "adamw":
+        return True
+    tx = optax_optimizer(cfg, 1e-2)
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(k1, (128, 256))
+    grads = [jax.random.normal(k, (128, 256)) for k in (k2, k3)]
+
+    def run(tree):
+        p = tree(w)
+        state = tx.init(p)
+        for g in grads:
+            u, state = tx.update(tree(g), state, p)
+            p = optax.apply_updates(p, u)
+        return jnp.concatenate(list(p.values()), axis=1)
+
+    whole, halves = jax.jit(lambda: (run(lambda x: {"a": x}),
+                                     run(lambda x: {"a": x[:, :128], "b": x[:, 128:]})))()
+    # elementwise: the same operations on the same numbers, up to fusion order
+    return bool(jnp.allclose(whole, halves, rtol=1e-5, atol=1e-6))

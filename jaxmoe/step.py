@@ -18,10 +18,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmoe import sharding
-from jaxmoe.config import Config
+from jaxmoe.config import Config, ConfigError
 from jaxmoe.load_metrics import load_metrics
 from jaxmoe.model.transformer import Transformer, stored_layer_order
-from jaxmoe.optim import learning_rate_schedule, make_optimizer
+from jaxmoe.optim import (learning_rate_schedule, make_optimizer, param_name,
+                          unmatched_patterns, updates_are_elementwise)
 from jaxmoe.parallel import ddp
 from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
 from jaxmoe.sharding import BATCH_AXES
@@ -70,8 +71,11 @@ def state_shardings(cfg: Config, layout: GlobalLayout, tx: optax.GradientTransfo
     param_specs = layout.param_specs(abs_params)
     zero1 = layout.optimizer_specs(abs_params, param_specs)
     abs_opt = jax.eval_shape(tx.init, abs_params)
+    # Each copy of the parameter tree in the optimizer state is placed like the
+    # parameters' ZeRO-1 shards where its tensors have the parameters' shapes; the
+    # rest (step counts, an optax optimizer's factored statistics) is replicated.
     opt_specs = optax.tree_map_params(
-        tx, lambda _, spec: spec, abs_opt, zero1,
+        tx, lambda a, spec, p: spec if a.shape == p.shape else P(), abs_opt, zero1, abs_params,
         transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
     if _sharded_master(cfg):
         param_specs = zero1
@@ -205,17 +209,18 @@ def auto_train_step(cfg: Config, layout: GlobalLayout, loss_fn: Callable, tx, lr
 
 
 def ddp_train_step(cfg: Config, layout: DeviceLayout, specs: TrainState, use_specs: nnx.State,
-                   loss_fn: Callable, tx, lr_at) -> Callable:
+                   shard_specs: nnx.State, loss_fn: Callable, tx, lr_at) -> Callable:
     """The ddp train step as one per-device program over the whole mesh.
 
     Each device runs the model on its own rows with its dense replicas and its
     experts; gradients accumulate locally over the accumulation steps and are reduced
     once at the end, into the ZeRO-1 shards (`jaxmoe.parallel.ddp`), where the
     optimizer updates them; the new shards are gathered once. `specs`: the state's
-    PartitionSpecs; `use_specs`: where the parameters are used.
+    PartitionSpecs; `use_specs`: where the parameters are used; `shard_specs`: where
+    their optimizer state lives (`GlobalLayout.optimizer_specs`).
     """
     mesh = layout.mesh
-    plans = ddp.reductions(use_specs, specs.opt_state.mu, mesh)
+    plans = ddp.reductions(use_specs, shard_specs, mesh)
     sharded_master = _sharded_master(cfg)
     n_batch = mesh.shape["data"] * mesh.shape["expert"]
     A = cfg.train.accumulation_steps
@@ -251,9 +256,10 @@ def ddp_train_step(cfg: Config, layout: DeviceLayout, specs: TrainState, use_spe
         grad_norm = ddp.global_norm(grads, plans, mesh)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         params = state.params if sharded_master else tree_map(ddp.own_shard, state.params, plans)
-        updates, opt_state = tx.update(grads, state.opt_state, params, skip=~finite,
-                                       grad_norm=grad_norm)
-        params = optax.apply_updates(params, updates)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, state.opt_state, params, skip=~finite,
+                                           grad_norm=grad_norm)
+            params = optax.apply_updates(params, updates)
         if not sharded_master:
             params = tree_map(ddp.gather_shards, params, plans)
         B, L1 = rows_bxL1.shape
@@ -294,6 +300,8 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
     shardings = state_shardings(cfg, layout, tx, abs_params, abs_buffers)
     batch_sh = layout.batch_sharding
     use_specs = layout.param_specs(abs_params)
+    shard_specs = layout.optimizer_specs(abs_params, use_specs)
+    check_optimizer(cfg, mesh, abs_params, shard_specs)
     global_loss = make_loss_fn(cfg, graphdef, layout,
                                lambda p: working_copy(cfg, mesh, p, use_specs), loss_hook)
 
@@ -308,7 +316,8 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
                              is_leaf=lambda x: isinstance(x, NamedSharding))
         device_layout = DeviceLayout(mesh, cfg)
         local_loss = make_loss_fn(cfg, graphdef, device_layout, lambda p: p, loss_hook)
-        train_step = ddp_train_step(cfg, device_layout, specs, use_specs, local_loss, tx, lr_at)
+        train_step = ddp_train_step(cfg, device_layout, specs, use_specs, shard_specs, local_loss,
+                                    tx, lr_at)
     else:
         train_step = auto_train_step(cfg, layout, global_loss, tx, lr_at)
 
@@ -336,8 +345,32 @@ def apply_gradients(tx: optax.GradientTransformationExtraArgs, params, opt_state
     """
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, opt_state, params, skip=~finite, grad_norm=grad_norm)
-    return optax.apply_updates(params, updates), opt_state, grad_norm, finite
+    with jax.named_scope("optimizer"):
+        updates, opt_state = tx.update(grads, opt_state, params, skip=~finite,
+                                       grad_norm=grad_norm)
+        return optax.apply_updates(params, updates), opt_state, grad_norm, finite
+
+
+def check_optimizer(cfg: Config, mesh: Mesh, abs_params: nnx.State, shard_specs: nnx.State) -> None:
+    """The optimizer checks that need the model's parameters and the mesh; run
+    before compiling. `shard_specs`: where each parameter's optimizer state lives."""
+    o = cfg.optimizer
+    unmatched = unmatched_patterns(abs_params, o.no_decay)
+    if unmatched:
+        names = [param_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(abs_params)]
+        raise ConfigError(f"optimizer.no_decay: {unmatched} match no parameter; the "
+                          f"parameters' paths are {', '.join(names)}")
+    # The per-device step updates each device's part of a tensor on its own: right
+    # only for an optimizer that updates every element from its own history.
+    specs = jax.tree.leaves(shard_specs, is_leaf=lambda x: isinstance(x, P))
+    split = any(mesh.shape[a] > 1 for spec in specs for entry in spec if entry is not None
+                for a in ((entry,) if isinstance(entry, str) else entry))
+    if uses_per_device_step(cfg) and split and not updates_are_elementwise(o):
+        raise ConfigError(f"optimizer.name: {o.name} takes statistics over whole tensors, but "
+                          "the ddp step updates each device's part of a tensor (its ZeRO-1 "
+                          "shard, its experts, its stage's layers) on its own; use "
+                          "mesh.parallelism: fsdp, or an optimizer that updates each element "
+                          "on its own (adamw, lion, sgd, ...)")
 
 
 def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float,
