@@ -151,7 +151,16 @@ class TrainConfig:
     seq_len: int = 256
     accumulation_steps: int = 1  # the batch is split into this many slices, run one after
     # another with their gradients summed (gradient accumulation)
-    remat: Literal["none", "full", "matmuls"] = "none"
+    # what each layer keeps for the backward pass (the rest is recomputed there):
+    # none: everything; full: only its input; matmuls: the outputs of dots without
+    # batch dims (projections, router, dense MLP) and of the expert GEMMs;
+    # save_expert_gemms / save_attention / save_exchange: only those named tensors
+    # (both expert GEMMs' outputs / attention's q, k, v and core output / the
+    # buffers an expert-parallel exchange receives, both ways); offload: the expert
+    # GEMM outputs and attention's tensors, in pinned host memory (on CPU, where
+    # host memory is device memory, the same as keeping them). See jaxmoe/model/remat.py.
+    remat: Literal["none", "full", "matmuls", "save_expert_gemms", "save_attention",
+                   "save_exchange", "offload"] = "none"
     # 0: logits for the whole sequence at once; N: the LM head and cross-entropy run
     # N positions at a time (recomputed in the backward), never holding B x L x V logits
     loss_chunk: int = 0

@@ -6,10 +6,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.model.blockwise_attention import blockwise_attention
 from jaxmoe.model.layers import param, rms_norm, rope
+from jaxmoe.model.remat import ATTENTION_OUT, ATTENTION_QKV
 
 
 class Attention(nnx.Module):
@@ -30,9 +32,14 @@ class Attention(nnx.Module):
 
     def qkv(self, x_BxLxD: jax.Array, positions_BxL: jax.Array):
         cfg, dt = self.cfg, x_BxLxD.dtype
-        q = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.w_q[...].astype(dt))
-        k = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_k[...].astype(dt))
-        v = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_v[...].astype(dt))
+        # named before QK-norm and RoPE: their backward needs these inputs, and
+        # recomputing the elementwise ops from them is cheap
+        q = checkpoint_name(jnp.einsum("bld,dhk->blhk", x_BxLxD, self.w_q[...].astype(dt)),
+                            ATTENTION_QKV)
+        k = checkpoint_name(jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_k[...].astype(dt)),
+                            ATTENTION_QKV)
+        v = checkpoint_name(jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_v[...].astype(dt)),
+                            ATTENTION_QKV)
         if cfg.qk_norm != "none":
             axis = -1 if cfg.qk_norm == "head" else (-2, -1)
             q = rms_norm(q, self.q_norm[...], cfg.norm_eps, axis)
@@ -43,10 +50,12 @@ class Attention(nnx.Module):
         return jnp.einsum("blhk,hkd->bld", o_BxLxHxHd, self.w_o[...].astype(o_BxLxHxHd.dtype))
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
-        q, k, v = self.qkv(x_BxLxD, positions_BxL)
-        if self.cfg.attention_block:
-            return self.out(blockwise_attention(q, k, v, self.cfg.attention_block))
-        # jax.nn.dot_product_attention handles GQA (H a multiple of G) and picks
-        # the fused cuDNN kernel on GPU.
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        return self.out(o)
+        with jax.named_scope("attention"):
+            q, k, v = self.qkv(x_BxLxD, positions_BxL)
+            if self.cfg.attention_block:
+                o = blockwise_attention(q, k, v, self.cfg.attention_block)
+            else:
+                # jax.nn.dot_product_attention handles GQA (H a multiple of G) and
+                # picks the fused cuDNN kernel on GPU.
+                o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            return self.out(checkpoint_name(o, ATTENTION_OUT))

@@ -8,9 +8,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.model.layers import param
+from jaxmoe.model.remat import EXPERT_DOWN, EXPERT_GATE_UP
 from jaxmoe.ops.mx import mx_linear
 
 
@@ -34,9 +36,16 @@ def expert_ffn(w: ExpertWeights, x_ExCxD: jax.Array, cfg: MoEConfig | None = Non
                                    scale_rule=cfg.mxfp8_scale)
     else:
         matmul = lambda x, w: jnp.einsum("eck,ekn->ecn", x, w.astype(dt))  # noqa: E731
-    h_ExCx2F = matmul(x_ExCxD, w.w_gate_up_ExDx2F)
-    gate, up = jnp.split(h_ExCx2F, 2, axis=-1)
-    return matmul(jax.nn.silu(gate) * up, w.w_down_ExFxD)
+    return swiglu_experts(matmul, w, x_ExCxD)
+
+
+def swiglu_experts(matmul, w: ExpertWeights, x: jax.Array) -> jax.Array:
+    """Each expert's SwiGLU on its rows of x, with `matmul(rows, stacked weights)` as
+    the GEMM; both GEMM outputs are named for the remat policies (`train.remat`)."""
+    with jax.named_scope("expert_gemms"):
+        h = checkpoint_name(matmul(x, w.w_gate_up_ExDx2F), EXPERT_GATE_UP)
+        gate, up = jnp.split(h, 2, axis=-1)
+        return checkpoint_name(matmul(jax.nn.silu(gate) * up, w.w_down_ExFxD), EXPERT_DOWN)
 
 
 class Experts(nnx.Module):

@@ -38,10 +38,11 @@ class MoE(nnx.Module):
         x_TxD = x_BxLxD.reshape(B * L, D)
         routing = self.router(x_TxD, jitter_key)
         counts_E = expert_counts(routing.expert_TxK, cfg.num_experts)
-        if layout is None:
-            out = get_dispatcher(cfg.dispatcher)(x_TxD, routing, self.experts.weights(), cfg)
-        else:
-            out = layout.dispatch(x_TxD, routing, self.experts.weights(), cfg)
+        with jax.named_scope("dispatch"):
+            if layout is None:
+                out = get_dispatcher(cfg.dispatcher)(x_TxD, routing, self.experts.weights(), cfg)
+            else:
+                out = layout.dispatch(x_TxD, routing, self.experts.weights(), cfg)
         y_TxD = out.y_TxD
         if cfg.shared_expert_hidden:
             y_TxD = y_TxD + self.shared(x_TxD)

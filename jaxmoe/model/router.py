@@ -12,9 +12,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.model.layers import param
+from jaxmoe.model.remat import ROUTER_LOGITS
 
 
 class ExpertBias(nnx.Variable):
@@ -99,11 +101,12 @@ class Router(nnx.Module):
                                    out_sharding=("experts_replicated",), eager_sharding=False)
         self.cfg = cfg
 
+    @jax.named_scope("router")
     def __call__(self, x_TxD: jax.Array, jitter_key: jax.Array | None = None) -> Routing:
         x = x_TxD.astype(jnp.float32)
         if jitter_key is not None and self.cfg.router_jitter > 0:
             eps = self.cfg.router_jitter
             x = x * jax.random.uniform(jitter_key, x.shape, jnp.float32, 1.0 - eps, 1.0 + eps)
-        logits_TxE = x @ self.w[...]
+        logits_TxE = checkpoint_name(x @ self.w[...], ROUTER_LOGITS)
         bias = self.bias[...] if self.cfg.expert_bias else None
         return route(logits_TxE, self.cfg, bias)

@@ -23,11 +23,7 @@ from jaxmoe.config import Config
 from jaxmoe.model.attention import Attention
 from jaxmoe.model.layers import MLP, RMSNorm, param
 from jaxmoe.model.moe import MoE
-
-REMAT_POLICIES = {
-    "full": None,  # recompute the whole layer in the backward pass
-    "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+from jaxmoe.model.remat import REMAT_POLICIES
 
 
 def init_stds(cfg: Config) -> tuple[float, float]:

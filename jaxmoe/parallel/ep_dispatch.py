@@ -18,6 +18,10 @@ weights change.
   exchange, so on CPU it runs on a padded stand-in lowering (`ragged_cpu`),
   exact but O(R x N), for tests.
 
+Each runs its exchanges under the named scopes `exchange_out` and `exchange_back`
+(the expert GEMMs under `expert_gemms`) and names the buffers it receives the same
+way for the remat policies (`jaxmoe.model.remat`).
+
 All routing metadata (slots, counts, offsets) is computed and used on device.
 The stage axis is absent from every spec: these functions run replicated over it.
 """
@@ -30,11 +34,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.model.dispatch import Dispatched, buffer_slots, capacity, combine_rows, gather_rows
-from jaxmoe.model.experts import ExpertWeights, expert_ffn
+from jaxmoe.model.experts import ExpertWeights, expert_ffn, swiglu_experts
+from jaxmoe.model.remat import EXCHANGE_BACK, EXCHANGE_OUT
 from jaxmoe.model.router import Routing
 from jaxmoe.ops.mx import mx_ragged_linear
 from jaxmoe.parallel.ragged_cpu import install_cpu_lowering
@@ -106,13 +112,17 @@ def alltoall_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights, 
     expert_N = expert_TlxK.T.reshape(-1)  # k-major, like grouped: first choices keep priority
     token_N = jnp.tile(jnp.arange(Tl, dtype=jnp.int32), K)
     slot_N, kept_N = buffer_slots(expert_N, E, C)
-    send_RxElxCxD = gather_rows(x_TlxD, slot_N, token_N, E * C).reshape(R, El, C, D)
-    # recv[r] holds what source rank r sent for my El experts.
-    recv_RxElxCxD = lax.all_to_all(send_RxElxCxD, "expert", 0, 0, tiled=True)
+    with jax.named_scope("exchange_out"):
+        send_RxElxCxD = gather_rows(x_TlxD, slot_N, token_N, E * C).reshape(R, El, C, D)
+        # recv[r] holds what source rank r sent for my El experts.
+        recv_RxElxCxD = checkpoint_name(
+            lax.all_to_all(send_RxElxCxD, "expert", 0, 0, tiled=True), EXCHANGE_OUT)
     x_ElxRCxD = recv_RxElxCxD.transpose(1, 0, 2, 3).reshape(El, R * C, D)
     y_ElxRxCxD = expert_ffn(w_local, x_ElxRCxD, cfg).reshape(El, R, C, D)
-    back_RxElxCxD = lax.all_to_all(y_ElxRxCxD.transpose(1, 0, 2, 3), "expert", 0, 0, tiled=True)
-    y_TlxD = combine_rows(back_RxElxCxD.reshape(E * C, D), slot_N, gate_TlxK.T)
+    with jax.named_scope("exchange_back"):
+        back_RxElxCxD = checkpoint_name(lax.all_to_all(
+            y_ElxRxCxD.transpose(1, 0, 2, 3), "expert", 0, 0, tiled=True), EXCHANGE_BACK)
+        y_TlxD = combine_rows(back_RxElxCxD.reshape(E * C, D), slot_N, gate_TlxK.T)
     return Dispatched(y_TlxD, jnp.sum(~kept_N, dtype=jnp.int32))
 
 
@@ -130,15 +140,18 @@ def allgather_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights,
     output is then the sum over ranks, which `psum_scatter` delivers to its owner.
     """
     El = cfg.num_experts // R
-    x_TgxD = lax.all_gather(x_TlxD, "expert", tiled=True)
-    expert_TgxK = lax.all_gather(expert_TlxK, "expert", tiled=True)
-    gate_TgxK = lax.all_gather(gate_TlxK, "expert", tiled=True)
+    with jax.named_scope("exchange_out"):
+        x_TgxD = checkpoint_name(lax.all_gather(x_TlxD, "expert", tiled=True), EXCHANGE_OUT)
+        expert_TgxK = lax.all_gather(expert_TlxK, "expert", tiled=True)
+        gate_TgxK = lax.all_gather(gate_TlxK, "expert", tiled=True)
     # Local expert index; other ranks' experts fall outside [0, El) and one-hot to zero.
     local_TgxK = expert_TgxK - lax.axis_index("expert") * El
     gates_TgxEl = jnp.einsum("tk,tke->te", gate_TgxK, jax.nn.one_hot(local_TgxK, El))
     y_ElxTgxD = expert_ffn(w_local, jnp.broadcast_to(x_TgxD, (El,) + x_TgxD.shape), cfg)
     y_TgxD = jnp.einsum("etd,te->td", y_ElxTgxD, gates_TgxEl.astype(x_TgxD.dtype))
-    y_TlxD = lax.psum_scatter(y_TgxD, "expert", scatter_dimension=0, tiled=True)
+    with jax.named_scope("exchange_back"):
+        y_TlxD = checkpoint_name(
+            lax.psum_scatter(y_TgxD, "expert", scatter_dimension=0, tiled=True), EXCHANGE_BACK)
     return Dispatched(y_TlxD, jnp.zeros((), jnp.int32))
 
 
@@ -189,12 +202,11 @@ def ragged_ffn(w: ExpertWeights, x_MxD: jax.Array, group_sizes_El: jax.Array,
     """`expert_ffn` on rows grouped contiguously by expert (rows past the groups are unused)."""
     dt = x_MxD.dtype
     if cfg is not None and cfg.expert_precision == "mxfp8":
-        matmul = functools.partial(mx_ragged_linear, scale_rule=cfg.mxfp8_scale)
+        matmul = functools.partial(mx_ragged_linear, group_sizes_G=group_sizes_El,
+                                   scale_rule=cfg.mxfp8_scale)
     else:
-        matmul = lambda x, w, sizes: lax.ragged_dot(x, w.astype(dt), sizes)  # noqa: E731
-    h_Mx2F = matmul(x_MxD, w.w_gate_up_ExDx2F, group_sizes_El)
-    gate, up = jnp.split(h_Mx2F, 2, axis=-1)
-    return matmul(jax.nn.silu(gate) * up, w.w_down_ExFxD, group_sizes_El)
+        matmul = lambda x, w: lax.ragged_dot(x, w.astype(dt), group_sizes_El)  # noqa: E731
+    return swiglu_experts(matmul, w, x_MxD)
 
 
 def ragged_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights, cfg: MoEConfig,
@@ -217,17 +229,22 @@ def ragged_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights, cf
     order_N = jnp.argsort(expert_N, stable=True)
     slot_N = jnp.zeros((N,), jnp.int32).at[order_N].set(jnp.arange(N, dtype=jnp.int32))
     counts_E = jnp.zeros((E,), jnp.int32).at[expert_N].add(1)
-    plan = ragged_plan(lax.all_gather(counts_E, "expert"), lax.axis_index("expert"), El)
-    send_NxD = gather_rows(x_TlxD, slot_N, token_N, N)
-    # The exchange's result has its output buffer's type, so the buffers are
-    # zeros_like the rows sent (device-varying): an invariant one would make
-    # autodiff sum the result's cotangent over the devices.
-    recv_MxD = lax.ragged_all_to_all(send_NxD, jnp.zeros_like(send_NxD, shape=(R * N, D)),
-                                     *plan.forward, axis_name="expert")
+    with jax.named_scope("exchange_out"):
+        plan = ragged_plan(lax.all_gather(counts_E, "expert"), lax.axis_index("expert"), El)
+        send_NxD = gather_rows(x_TlxD, slot_N, token_N, N)
+        # The exchange's result has its output buffer's type, so the buffers are
+        # zeros_like the rows sent (device-varying): an invariant one would make
+        # autodiff sum the result's cotangent over the devices.
+        recv_MxD = checkpoint_name(lax.ragged_all_to_all(
+            send_NxD, jnp.zeros_like(send_NxD, shape=(R * N, D)), *plan.forward,
+            axis_name="expert"), EXCHANGE_OUT)
     y_MxD = ragged_ffn(w_local, recv_MxD, plan.group_sizes_El, cfg)
-    back_NxD = lax.ragged_all_to_all(y_MxD, jnp.zeros_like(y_MxD, shape=(N, D)),
-                                     *plan.backward, axis_name="expert")
-    return Dispatched(combine_rows(back_NxD, slot_N, gate_TlxK.T), jnp.zeros((), jnp.int32))
+    with jax.named_scope("exchange_back"):
+        back_NxD = checkpoint_name(lax.ragged_all_to_all(
+            y_MxD, jnp.zeros_like(y_MxD, shape=(N, D)), *plan.backward, axis_name="expert"),
+            EXCHANGE_BACK)
+        y_TlxD = combine_rows(back_NxD, slot_N, gate_TlxK.T)
+    return Dispatched(y_TlxD, jnp.zeros((), jnp.int32))
 
 
 # ------------------------------------------------------------------ registry
