@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxmoe.load_metrics import gerrymandering
+from jaxmoe.load_metrics import (gerrymandering, recent_history, settle_step,
+                                 steady_gerrymandering)
 
 
 def to_python(metrics: dict) -> dict:
@@ -29,8 +30,9 @@ class Monitor:
         self.sinks = list(sinks)  # see jaxmoe.sinks
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not (progress and active),
                         dynamic_ncols=True, unit="step")
-        self.balance_history: list[tuple[float, float]] = []
-        self.flagged = False
+        self.balance_history: list[dict] = []  # the last logged records the checks read
+        self.settle_step = settle_step(total_steps)
+        self.flagged: set[str] = set()  # the kinds of gerrymandering already reported
 
     def log(self, record: dict) -> None:
         if not self.active:
@@ -51,17 +53,24 @@ class Monitor:
                             f"dead {int(max(record['dead_experts']))} "
                             f"drop {max(record['drop_fraction']):.1%}")
             if any(record.get("balance_loss_scaled", [])):  # only a trained loss can be gamed
-                self._watch_balance(record["step"], record["balance_loss"],
-                                    record["load_max_over_mean"][worst])
+                self._watch_balance(record)
         self.bar.set_postfix(text, refresh=False)
         self.bar.update(steps)
 
-    def _watch_balance(self, step: int, balance_loss: float, worst_load: float) -> None:
-        self.balance_history.append((balance_loss, worst_load))
-        warning = gerrymandering(self.balance_history)
-        if warning and not self.flagged:
-            self.write(f"warning at step {step}: {warning}")
-        self.flagged = warning is not None
+    def _watch_balance(self, record: dict) -> None:
+        """Reports each kind of gerrymandering once: to the log, and as a record
+        whose text goes to metrics.jsonl and whose per-layer flag goes to the sinks."""
+        self.balance_history = recent_history(self.balance_history + [record])
+        checks = {"falling": gerrymandering(self.balance_history),
+                  "steady": steady_gerrymandering(self.balance_history, self.settle_step)}
+        for kind, found in checks.items():
+            if found is None or kind in self.flagged:
+                continue
+            self.flagged.add(kind)
+            layer, warning = found
+            self.write(f"warning at step {record['step']}: {warning}")
+            flag_L = [float(i == layer) for i in range(len(record["load_max_over_mean"]))]
+            self.log({"step": record["step"], "warning": warning, f"gerrymander_{kind}": flag_L})
 
     def write(self, line: str) -> None:
         if self.active:

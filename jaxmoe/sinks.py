@@ -36,7 +36,7 @@ def check_available(cfg: Config) -> None:
 def scalars(record: dict) -> dict[str, float]:
     out = {}
     for key, value in record.items():
-        if key in ("step", "expert_load"):
+        if key in ("step", "expert_load") or isinstance(value, str):  # text stays in metrics.jsonl
             continue
         if isinstance(value, list):
             out |= {f"{key}/layer{i}": v for i, v in enumerate(value)}
