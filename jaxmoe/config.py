@@ -183,8 +183,14 @@ class LoggingConfig:
     log_every: int = 10
     progress: bool = True
     tensorboard: bool = False  # also write TensorBoard event files to RUN_DIR/tensorboard
-    wandb: bool = False  # also log to an offline W&B run in RUN_DIR/wandb
+    wandb: bool = False  # also log to a W&B run (files in RUN_DIR/wandb)
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline: `wandb sync` uploads later
     wandb_project: str = "jaxmoe"
+    wandb_entity: str | None = None  # the W&B team or user; None: the account's default
+    wandb_name: str | None = None  # the run's display name; None: the run directory's name
+    # [start, stop]: a jax.profiler trace of train steps start..stop (inclusive) in
+    # RUN_DIR/profile, for TensorBoard's profile plugin or Perfetto; None: no trace
+    profile_steps: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -328,6 +334,11 @@ def validate(c: Config) -> None:
     _require(d.prefetch >= 0, "data.prefetch", "must be >= 0")
     _require(c.logging.log_every > 0, "logging.log_every", "must be positive")
     _require(bool(c.logging.wandb_project.strip()), "logging.wandb_project", "must not be empty")
+    span = c.logging.profile_steps
+    if span is not None:
+        _require(len(span) == 2 and 1 <= span[0] <= span[1] <= t.steps, "logging.profile_steps",
+                 f"expected [start, stop] with 1 <= start <= stop <= train.steps={t.steps}, "
+                 f"got {list(span)}")
     _require(c.checkpoint.keep > 0, "checkpoint.keep", "must keep at least one checkpoint")
     _require(t.max_bad_steps > 0, "train.max_bad_steps", "must be positive")
 

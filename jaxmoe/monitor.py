@@ -44,6 +44,11 @@ class Monitor:
 
     def progress(self, steps: int, record: dict) -> None:
         text = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+        if "mfu" in record:
+            text["mfu"] = f"{record['mfu']:.1%}"
+        memory = record.get("device_memory_peak_gb", record.get("host_memory_peak_gb"))
+        if memory is not None:
+            text["mem"] = f"{memory:.1f}GB"
         if "data_epoch" in record:
             text["epoch"] = f"{record['data_epoch']:.2f}"
         if "load_max_over_mean" in record:  # the worst MoE layer, at a glance

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -21,11 +20,12 @@ from absl import logging as absl_logging
 
 from jaxmoe import checkpoint, distributed, hf, sinks
 from jaxmoe.checkpoint import CheckpointError
-from jaxmoe.config import Config, ConfigError, load_config
+from jaxmoe.config import Config, ConfigError, flops_per_token, load_config
 from jaxmoe.batches import BatchIterator, Prefetcher, heldout_batches
 from jaxmoe.data import Corpus, DataError, load_corpus
 from jaxmoe.distributed import DistributedError
 from jaxmoe.monitor import Monitor, to_python
+from jaxmoe.perf import Peak, ProfileWindow, StepClock, memory, throughput
 from jaxmoe.sharding import make_mesh, process_rows
 from jaxmoe.step import build_steps, with_weights
 from jaxmoe.tokenizer import RUN_SUBDIR, TokenizerError, check_vocab, load_tokenizer
@@ -127,21 +127,33 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
         summary["heldout_loss_initial"] = evaluate(steps, state, eval_set)
         monitor.log({"step": 0, "eval_ce": summary["heldout_loss_initial"]})
     tokens_per_step = t.batch_size * t.seq_len
-    last_time, last_step, record, stop = time.perf_counter(), start, {}, None
+    model_flops = flops_per_token(cfg)
+    peak = Peak.of(steps.mesh.devices.flat)
+    monitor.write("MFU against " + (peak.source if peak else
+                                    f"no known peak for {steps.mesh.devices.flat[0].device_kind}"))
+    profile = ProfileWindow(run_dir / "profile", cfg.logging.profile_steps)
+    clock, last_step, record, stop = StepClock(), start, {}, None
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     if cfg.data.prefetch:  # started last: nothing that could fail comes between it and its end
         batches = Prefetcher(batches, cfg.data.prefetch)
-    with StopSignals() as signals, batches:  # the prefetch thread ends with the loop
+    with StopSignals() as signals, batches, profile:  # the prefetch thread ends with the loop
         for step in range(start + 1, end + 1):
-            state, metrics = steps.train_step(state, global_batch(steps, next(batches)))
+            with clock.timed("data"):
+                batch = global_batch(steps, next(batches))
+            with profile.step(step):
+                state, metrics = steps.train_step(state, batch)
+            profile.after(step, state)
             if step % cfg.logging.log_every == 0 or step == end:
                 record = {"step": step, **to_python(metrics)}  # waits for this step
-                now = time.perf_counter()
-                record["tokens_per_s"] = tokens_per_step * (step - last_step) / (now - last_time)
-                record |= {f"data_{k}": v for k, v in batches.progress(step).items()}
-                monitor.log(record)
-                monitor.progress(step - last_step, record)
-                last_time, last_step = now, step
+                times = clock.split(step - last_step)
+                with clock.timed("host"):
+                    record["tokens_per_s"] = tokens_per_step / times["step_time_s"]
+                    record |= throughput(model_flops, record["tokens_per_s"], steps.mesh.size, peak)
+                    record |= memory() | times
+                    record |= {f"data_{k}": v for k, v in batches.progress(step).items()}
+                    monitor.log(record)
+                    monitor.progress(step - last_step, record)
+                last_step = step
                 if record["bad_steps"] >= t.max_bad_steps:
                     monitor.close()
                     manager.wait_until_finished()
@@ -149,10 +161,11 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                         f"{int(record['bad_steps'])} consecutive steps up to {step} had a "
                         f"non-finite loss or gradient (train.max_bad_steps={t.max_bad_steps}); "
                         f"stopped, last good checkpoint kept in {ckpt_dir}")
-            if t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                monitor.log({"step": step, "eval_ce": evaluate(steps, state, eval_set)})
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != end:
-                checkpoint.save(manager, state, batches.state(), cfg)
+            with clock.timed("host"):
+                if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                    monitor.log({"step": step, "eval_ce": evaluate(steps, state, eval_set)})
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != end:
+                    checkpoint.save(manager, state, batches.state(), cfg)
             check = jax.process_count() == 1 or step % cfg.logging.log_every == 0
             if check and distributed.any_process(signals.received is not None):
                 stop = signals.received or "a signal to another process"
@@ -177,6 +190,16 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     return summary
 
 
+def profile_override(span: str | None) -> list[str]:
+    """--profile START:STOP as a config override."""
+    if span is None:
+        return []
+    parts = span.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(f"--profile: expected START:STOP step numbers, e.g. 10:12, got {span!r}")
+    return [f"logging.profile_steps=[{parts[0]}, {parts[1]}]"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxmoe.train", description=__doc__)
     parser.add_argument("--config", required=True, help="YAML config file")
@@ -189,12 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init-from-hf", default=None, metavar="DIR",
                         help="start from a Hugging Face checkpoint (Qwen3-MoE, OLMoE, Mixtral, "
                              "dots1): its architecture replaces the config's model shapes")
+    parser.add_argument("--profile", default=None, metavar="START:STOP",
+                        help="write a jax.profiler trace of train steps START..STOP to "
+                             "RUN_DIR/profile (logging.profile_steps)")
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's routine notices
     try:
         distributed.initialize(distributed.settings(args))
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(args.config, args.set + profile_override(args.profile))
         weights = None
         if args.init_from_hf:
             cfg = hf.with_architecture(cfg, hf.read_config(args.init_from_hf)[1])

@@ -46,7 +46,8 @@ def pytest_xdist_auto_num_workers(config):
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """A 4-step run of a tiny MoE made by the training code (dense dispatch, router
-    biases, TensorBoard events when tensorboardX is installed); returns its run dir."""
+    biases, TensorBoard events when tensorboardX is installed, a profiler trace of steps
+    2-3); returns its run dir."""
     from jaxmoe.config import config_from_dict
     from jaxmoe.data import load_corpus
     from jaxmoe.train import train
@@ -60,7 +61,7 @@ def tiny_run(tmp_path_factory):
         "train": {"steps": 4, "batch_size": 8, "seq_len": 32, "eval_every": 0, "eval_batches": 2,
                   "run_dir": str(run_dir)},
         "optimizer": {"warmup_steps": 1},
-        "logging": {"log_every": 1, "progress": False,
+        "logging": {"log_every": 1, "progress": False, "profile_steps": [2, 3],
                     "tensorboard": importlib.util.find_spec("tensorboardX") is not None},
     })
     train(cfg, load_corpus("stdlib", None, 256, cfg.train.seq_len))

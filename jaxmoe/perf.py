@@ -1,0 +1,187 @@
+"""What a run gets out of its devices: model FLOP/s and MFU, memory, where step time goes.
+
+MFU is the model's training FLOPs (`config.flops_per_token`: 6 x active matmul
+parameters + attention, no recompute counted) per second, over the devices' dense
+peak. The peak is the bf16 tensor-core figure from the table below (the usual
+convention, also for runs with fp8 experts, so that fp8's gain shows as a higher
+MFU); on CPU, where no such figure exists, it is a float32 matmul rate measured
+once when the run starts, shared by the host's devices.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+import contextlib
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+# Dense (no sparsity) peak TFLOP/s per device: (bf16, fp8). Matched against
+# `device.device_kind` in order, first match wins, so longer names come first.
+PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
+    ("GB200", 2500.0, 5000.0),
+    ("B200", 2250.0, 4500.0),
+    ("H200", 989.0, 1979.0),
+    ("H100 PCIe", 756.0, 1513.0),
+    ("H100", 989.0, 1979.0),  # SXM
+    ("H800", 989.0, 1979.0),
+    ("A100", 312.0, 0.0),  # no fp8
+    ("L40S", 362.0, 733.0),
+    ("L40", 181.0, 362.0),
+    ("L4", 121.0, 242.0),
+    ("MI355X", 2500.0, 5000.0),
+    ("MI325X", 1307.0, 2615.0),
+    ("MI300X", 1307.0, 2615.0),
+    ("TPU v6 lite", 918.0, 0.0),  # v6e (Trillium)
+    ("TPU v5 lite", 197.0, 0.0),  # v5e
+    ("TPU v5p", 459.0, 0.0),
+    ("TPU v5", 459.0, 0.0),
+    ("TPU v4", 275.0, 0.0),
+)
+
+
+def table_peak(device_kind: str, precision: str = "bf16") -> float | None:
+    """Peak FLOP/s of one device of this kind, or None when the table lacks it."""
+    for name, bf16, fp8 in PEAK_TFLOPS:
+        if name.lower() in device_kind.lower():
+            tflops = bf16 if precision == "bf16" else fp8
+            return tflops * 1e12 if tflops else None
+    return None
+
+
+def measure_matmul_rate(n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of this host's float32 matmul (the best of `repeats`, after a warm-up)."""
+    a = jnp.ones((n, n), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+@dataclass(frozen=True)
+class Peak:
+    flops_per_device: float
+    source: str  # where the figure comes from, for the log
+
+    @classmethod
+    def of(cls, devices) -> Peak | None:
+        """The peak of these (same-kind) devices; None for an accelerator the table lacks."""
+        kind = devices[0].device_kind
+        if devices[0].platform == "cpu":
+            rate = measure_matmul_rate()
+            # Fake CPU devices share one host's cores.
+            local = sum(d.process_index == jax.process_index() for d in devices)
+            return cls(rate / local, f"cpu: a measured float32 matmul rate of {rate / 1e9:.0f} "
+                                     f"GFLOP/s shared by {local} device(s)")
+        flops = table_peak(kind)
+        return cls(flops, f"{kind}: {flops / 1e12:.0f} TFLOP/s bf16 dense") if flops else None
+
+
+def throughput(flops_per_token: float, tokens_per_s: float, num_devices: int,
+               peak: Peak | None) -> dict[str, float]:
+    """Model TFLOP/s per device, and MFU where the peak is known."""
+    per_device = flops_per_token * tokens_per_s / num_devices
+    out = {"tflops_per_device": per_device / 1e12}
+    if peak is not None:
+        out["mfu"] = per_device / peak.flops_per_device
+    return out
+
+
+def memory() -> dict[str, float]:
+    """GB in use and at peak: the fullest local device where the backend reports it
+    (GPU, TPU), else this process's resident memory (CPU, where the devices are host
+    memory)."""
+    stats = [s for s in (d.memory_stats() for d in jax.local_devices()) if s]
+    if stats:
+        return {"device_memory_gb": max(s.get("bytes_in_use", 0) for s in stats) / 1e9,
+                "device_memory_peak_gb": max(s.get("peak_bytes_in_use", 0) for s in stats) / 1e9}
+    # ru_maxrss is in KiB on Linux, bytes on macOS
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    try:
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # no /proc (macOS): the high-water mark stands in
+        resident = peak
+    # the kernel updates the high-water mark lazily: it can trail the current figure
+    peak = max(peak, resident)
+    return {"host_memory_gb": resident / 1e9, "host_memory_peak_gb": peak / 1e9}
+
+
+class StepClock:
+    """Splits the wall time between logged steps into waiting for data, host work
+    (logging, evaluation, starting a checkpoint save) and the rest: dispatching steps
+    and waiting for the devices, i.e. the step itself.
+
+    Steps run asynchronously, so time spent reading the next batch overlaps the
+    device's work on the previous step; `data_wait` is host time in the reader, an
+    upper bound on the device's idle time for lack of data.
+    """
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.data = self.host = 0.0
+
+    @contextlib.contextmanager
+    def timed(self, part: str):
+        """Adds the time spent in the block to `part`: "data" or "host"."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, part, getattr(self, part) + time.perf_counter() - start)
+
+    def split(self, steps: int) -> dict[str, float]:
+        """Seconds per step since the last split, by part; restarts the clock."""
+        now = time.perf_counter()
+        wall = now - self.start
+        out = {"step_time_s": wall / steps, "data_wait_s": self.data / steps,
+               "host_s": self.host / steps}
+        self.start, self.data, self.host = now, 0.0, 0.0
+        return out
+
+
+class ProfileWindow:
+    """A jax.profiler trace of train steps [start, stop] into `directory`: an XPlane
+file for TensorBoard's profile plugin and a Perfetto trace beside it.
+
+    Each step in the window is annotated with its number, so TensorBoard's profile
+    plugin splits the trace by step; the trace stops once step `stop` has finished on
+    the devices, so the last step is whole.
+    """
+
+    def __init__(self, directory, span: tuple[int, int] | None):
+        self.directory, self.span, self.active = directory, span, False
+
+    def step(self, step: int):
+        """A context for running train step `step`."""
+        if self.span and step == self.span[0]:
+            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+            self.active = True
+        if self.active:
+            return jax.profiler.StepTraceAnnotation("train", step_num=step)
+        return contextlib.nullcontext()
+
+    def after(self, step: int, state) -> None:
+        """Call after step `step` was dispatched, with the state it returned."""
+        if self.active and step == self.span[1]:
+            jax.block_until_ready(state)
+            self.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):  # a run that stops early still leaves a readable trace
+        self.stop()
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
