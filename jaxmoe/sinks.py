@@ -1,4 +1,4 @@
-"""Optional metric sinks beside metrics.jsonl: TensorBoard event files and W&B offline runs.
+"""Optional metric sinks beside metrics.jsonl: TensorBoard event files and W&B runs.
 
 Chosen with `logging.tensorboard` / `logging.wandb`; each needs its package, from
 the matching extra (pip install "jaxmoe[tensorboard]", "jaxmoe[wandb]"). Every
@@ -13,9 +13,17 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmoe import distributed
 from jaxmoe.config import Config, ConfigError
 
 PACKAGES = {"tensorboard": "tensorboardX", "wandb": "wandb"}
+# The W&B run's id, written when the run is created; a training run that resumes in
+# the same run directory continues that W&B run. Beside W&B's own files, so that
+# removing RUN_DIR/wandb forgets the W&B run together with its local files.
+WANDB_RUN_ID = Path("wandb") / "run_id"
+NO_CREDENTIALS = ("logging.wandb_mode=online: no W&B API key found (WANDB_API_KEY, ~/.netrc, "
+                  "WANDB_IDENTITY_TOKEN_FILE); run `wandb login` or set WANDB_API_KEY, or set "
+                  "logging.wandb_mode=offline and upload later with `wandb sync`")
 
 
 def _import(sink: str):
@@ -27,10 +35,37 @@ def _import(sink: str):
 
 
 def check_available(cfg: Config) -> None:
-    """Fails before training starts when a chosen sink's package is missing."""
+    """Fails before training starts when a chosen sink's package is missing, or when an
+    online W&B run has no credentials on process 0 (the one that logs); a collective
+    then, so that every process stops."""
     for sink in PACKAGES:
         if getattr(cfg.logging, sink):
             _import(sink)
+    if cfg.logging.wandb and cfg.logging.wandb_mode == "online":
+        missing = distributed.is_main() and not _has_wandb_credentials(_import("wandb"))
+        if distributed.any_process(missing):
+            raise ConfigError(NO_CREDENTIALS)
+
+
+def _has_wandb_credentials(wandb) -> bool:
+    """Whether wandb.init will find credentials, looked up as it does (WANDB_API_KEY, an
+    identity token file, the netrc entry `wandb login` writes, the api_key setting).
+
+    Offline and silent: wandb.login(prompt=False) would start W&B's service process and
+    ask the server for the account's name once it finds a key (6 s to fail without a
+    network), and rewrite the settings file.
+    """
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib import wbauth
+
+    settings = wandb_setup.singleton().settings
+    host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
+    try:
+        auth = wbauth.authenticate_session(host=host, source="jaxmoe", prompt=False,
+                                           update_session=False)
+    except wandb.errors.AuthenticationError as e:  # a key of the wrong form
+        raise ConfigError(f"logging.wandb_mode=online: {e}") from None
+    return auth is not None
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -68,13 +103,39 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """An offline run under RUN_DIR/wandb; `wandb sync` uploads it later."""
+    """A W&B run named after the run directory, with its local files in RUN_DIR/wandb.
+
+    Offline (the default): `wandb sync RUN_DIR/wandb/offline-run-*` uploads it later.
+    The run's id is kept in RUN_DIR/wandb/run_id; a training run that resumes passes
+    it back with resume="allow", so the W&B run continues (same id, the steps go on).
+    """
 
     def __init__(self, run_dir: Path, cfg: Config):
         self.wandb = _import("wandb")
+        log = cfg.logging
+        if log.wandb_mode == "online" and not _has_wandb_credentials(self.wandb):
+            raise ConfigError(NO_CREDENTIALS)  # wandb.init would prompt on a terminal
+        id_file = run_dir / WANDB_RUN_ID
+        run_id = id_file.read_text().strip() if id_file.exists() else None
         settings = self.wandb.Settings(silent=True, console="off", disable_git=True)
-        self.run = self.wandb.init(project=cfg.logging.wandb_project, dir=str(run_dir),
-                                   mode="offline", config=cfg.to_dict(), settings=settings)
+        try:
+            self.run = self.wandb.init(
+                project=log.wandb_project, entity=log.wandb_entity,
+                name=log.wandb_name or run_dir.resolve().name, mode=log.wandb_mode,
+                id=run_id, resume="allow" if run_id else None, dir=str(run_dir),
+                config=cfg.to_dict(), settings=settings)
+        except self.wandb.errors.Error as e:
+            if log.wandb_mode == "offline":
+                raise
+            reason = str(e).splitlines()[0]  # the rest suggests code to change
+            raise ConfigError(
+                f"logging.wandb_mode=online: could not start the W&B run: {reason}; check the "
+                "network (a slow one: raise WANDB_INIT_TIMEOUT, 90 s by default) and the "
+                "credentials, or set logging.wandb_mode=offline and upload later with "
+                "`wandb sync`") from None
+        if run_id is None:
+            id_file.parent.mkdir(parents=True, exist_ok=True)
+            id_file.write_text(self.run.id + "\n")
 
     def log(self, record: dict) -> None:
         data = scalars(record) | {k: self.wandb.Histogram(v) for k, v in histograms(record).items()}

@@ -1,9 +1,11 @@
-"""Metric sinks: TensorBoard event files and W&B offline runs, chosen in the config."""
+"""Metric sinks: TensorBoard event files and W&B runs, chosen in the config."""
 
 import json
+import re
 import struct
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +62,108 @@ def test_wandb_offline_run(tmp_path):
     data = run_file.read_bytes()
     for key in (b"loss", b"eval_ce", b"load_max_over_mean/layer1", b"expert_load/layer0"):
         assert key in data
+
+
+def test_wandb_run_resumed_in_its_run_directory_continues(tmp_path):
+    pytest.importorskip("wandb")
+    cfg = config_from_dict({"logging": {"wandb": True, "wandb_project": "sink-test"}})
+    run_dir = tmp_path / "run-a"
+    ids, parts = [], []
+    for step in (1, 2):  # a training run, then the same run directory resumed
+        (sink,) = sinks.open_sinks(cfg, run_dir)
+        sink.log({"step": step, "loss": 3.0 / step})
+        ids.append(sink.run.id)
+        parts.append(Path(sink.run.dir).parent)
+        assert sink.run.name == "run-a"  # logging.wandb_name's default
+        sink.close()
+    assert ids[0] == ids[1] == (run_dir / "wandb" / "run_id").read_text().strip()
+    # a directory a part, RUN_DIR/wandb/offline-run-TIME-ID (-1 within the same second);
+    # `wandb sync` uploads the parts of one run id in order
+    assert parts[0] != parts[1]
+    for part in parts:
+        assert re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{ids[0]}(-\d+)?", part.name), part
+        assert part.parent == run_dir / "wandb"
+    (other,) = sinks.open_sinks(cfg, tmp_path / "run-b")
+    other.close()
+    assert other.run.id != ids[0]  # the id comes from the run directory, not chance
+
+
+class _FakeRun:
+    id = "fakeid01"
+
+
+@pytest.fixture
+def wandb_init_calls(monkeypatch):
+    """wandb.init replaced (there is no network here): its keyword arguments, one dict a call."""
+    wandb = pytest.importorskip("wandb")
+    calls = []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs) or _FakeRun())
+    monkeypatch.delenv("WANDB_IDENTITY_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)  # found, never sent
+    return calls
+
+
+def test_wandb_online_run_arguments(tmp_path, wandb_init_calls):
+    logging = {"wandb": True, "wandb_mode": "online", "wandb_entity": "moe-team"}
+    cfg = config_from_dict({"logging": logging})
+    sinks.check_available(cfg)
+    run_dir = tmp_path / "run-a"
+    sinks.open_sinks(cfg, run_dir)
+    assert (run_dir / "wandb" / "run_id").read_text() == "fakeid01\n"
+    sinks.open_sinks(cfg, run_dir)  # resumed
+    named = config_from_dict({"logging": logging | {"wandb_name": "ablation"}})
+    sinks.open_sinks(named, tmp_path / "run-b")
+    keys = ("mode", "project", "entity", "name", "id", "resume")
+    assert [tuple(call[k] for k in keys) for call in wandb_init_calls] == [
+        ("online", "jaxmoe", "moe-team", "run-a", None, None),
+        ("online", "jaxmoe", "moe-team", "run-a", "fakeid01", "allow"),
+        ("online", "jaxmoe", "moe-team", "ablation", None, None),
+    ]
+
+
+def test_wandb_online_unreachable_is_a_clear_error(tmp_path, monkeypatch, wandb_init_calls):
+    import wandb
+
+    def unreachable(**kwargs):
+        raise wandb.errors.CommError("Timed out while retrying: no such host\nConsider ...")
+
+    monkeypatch.setattr(wandb, "init", unreachable)
+    cfg = config_from_dict({"logging": {"wandb": True, "wandb_mode": "online"}})
+    with pytest.raises(ConfigError, match=r"logging.wandb_mode=online: could not start the W&B "
+                                          r"run: Timed out while retrying: no such host; check"):
+        sinks.open_sinks(cfg, tmp_path)
+    assert not (tmp_path / "wandb" / "run_id").exists()  # no run to continue
+
+
+@pytest.fixture
+def wandb_without_credentials(tmp_path, monkeypatch):
+    """wandb with no API key in the environment, no ~/.netrc and no settings file."""
+    wandb = pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.test")
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: pytest.fail("wandb.init was called"))
+    wandb.teardown()  # settings and credentials loaded earlier in this process are forgotten
+    yield tmp_path
+    wandb.teardown()  # before the environment is restored: the next user loads it afresh
+
+
+def test_wandb_online_without_credentials_fails_before_training(wandb_without_credentials):
+    home = wandb_without_credentials
+    cfg = config_from_dict({"logging": {"wandb": True, "wandb_mode": "online"}})
+    message = (r"logging.wandb_mode=online: no W&B API key found .* run `wandb login` or set "
+               r"WANDB_API_KEY, or set logging.wandb_mode=offline")
+    with pytest.raises(ConfigError, match=message):
+        sinks.check_available(cfg)
+    with pytest.raises(ConfigError, match=message):  # train() called without the check
+        sinks.open_sinks(cfg, home / "run")
+    sinks.check_available(config_from_dict({"logging": {"wandb": True}}))  # offline needs none
+    netrc = home / ".netrc"  # what `wandb login` writes, found without the network
+    netrc.write_text(f"machine wandb.example.test\n  login user\n  password {'a' * 40}\n")
+    netrc.chmod(0o600)
+    sinks.check_available(cfg)
 
 
 @pytest.mark.parametrize("sink, package", [("tensorboard", "tensorboardX"), ("wandb", "wandb")])
