@@ -220,9 +220,13 @@ def check_compatible(saved: dict, cfg: Config, where: Path) -> None:
     diffs = [f"{sec}.{key}: checkpoint {saved[sec].get(key)!r}, config {current[sec][key]!r}"
              for sec, keys in SHAPE_KEYS.items() for key in keys
              if current_value(f"{sec}.{key}", saved.get(sec, {}).get(key)) != current[sec][key]]
-    # another optimizer holds another state (checkpoints without the key are adamw's)
+    # another optimizer holds another state (checkpoints without the key are adamw's;
+    # "lion" and "optax.lion" are one optimizer, "optax.adamw" is not jaxmoe's adamw)
+    def optimizer(name: str) -> str:
+        return name if name == "adamw" else "optax." + name.removeprefix("optax.")
+
     saved_optimizer = saved.get("optimizer", {}).get("name", "adamw")
-    if saved_optimizer != cfg.optimizer.name:
+    if optimizer(saved_optimizer) != optimizer(cfg.optimizer.name):
         diffs.append(f"optimizer.name: checkpoint {saved_optimizer!r}, config "
                      f"{cfg.optimizer.name!r}")
     if diffs:

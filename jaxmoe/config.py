@@ -312,6 +312,9 @@ def validate(c: Config) -> None:
                  "jaxmoe's adamw takes none (its knobs are optimizer.b1, b2, eps); name an "
                  "optax optimizer to use them, e.g. optimizer.name: optax.adamw")
     else:
+        for key in ("b1", "b2", "eps"):
+            _require(getattr(o, key) == getattr(OptimizerConfig, key), f"optimizer.{key}",
+                     f"used by adamw only; give {o.name} its {key} in optimizer.optax_kwargs")
         from jaxmoe.optim import check_optax  # imports jax: only for optax optimizers
         check_optax(o)
     _require(0.0 < c.data.heldout_fraction <= 0.5, "data.heldout_fraction", "must be in (0, 0.5]")
@@ -373,7 +376,7 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
         for k in value:
             if not isinstance(k, str):
                 raise ConfigError(f"{key}: keys must be names, got {type(k).__name__} {k!r}")
-        return {k: v if value_tp is Any else _check_type(v, value_tp, f"{key}.{k}")
+        return {k: copy.deepcopy(v) if value_tp is Any else _check_type(v, value_tp, f"{key}.{k}")
                 for k, v in value.items()}
     if origin is tuple:  # tuple[X, ...]: YAML gives a list
         if not isinstance(value, (list, tuple)):

@@ -125,10 +125,11 @@ def _far_from_balanced(record: dict, layer: int) -> bool:
 
 
 def recent_history(records: list[dict]) -> list[dict]:
-    """The tail of the logged records that both checks need: the last 2 * WINDOW and
-    those of the last STEADY_STEPS steps."""
+    """The tail of the logged records that both checks need: the last 2 * WINDOW, and
+    enough to span STEADY_STEPS (from the last record at or before that many steps
+    back, whatever the logging interval)."""
     last = records[-1]["step"]
-    start = next(i for i, r in enumerate(records) if r["step"] >= last - STEADY_STEPS)
+    start = max((i for i, r in enumerate(records) if r["step"] <= last - STEADY_STEPS), default=0)
     return records[max(0, min(start, len(records) - 2 * WINDOW)):]
 
 

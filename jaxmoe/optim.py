@@ -96,9 +96,13 @@ def decay_mask(params, no_decay: tuple[str, ...]):
     return treedef.unflatten([decays(param_name(path), p, no_decay) for path, p in leaves])
 
 
+def param_names(params) -> list[str]:
+    return [param_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+
+
 def unmatched_patterns(params, no_decay: tuple[str, ...]) -> list[str]:
     """The `no_decay` patterns that match no parameter of `params` (typos)."""
-    names = [param_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    names = param_names(params)
     return [pattern for pattern in no_decay
             if not any(fnmatch.fnmatchcase(name, pattern) for name in names)]
 

@@ -10,12 +10,13 @@ once when the run starts, shared by the host's devices.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
 import time
-import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +69,9 @@ def measure_matmul_rate(n: int = 1024, repeats: int = 5) -> float:
 
 @dataclass(frozen=True)
 class Peak:
-    flops_per_device: float
+    flops_per_device: float  # dense bf16 (on CPU: the measured float32 matmul rate)
     source: str  # where the figure comes from, for the log
+    fp8_flops_per_device: float | None = None  # where the device has fp8 tensor cores
 
     @classmethod
     def of(cls, devices) -> Peak | None:
@@ -82,16 +84,21 @@ class Peak:
             return cls(rate / local, f"cpu: a measured float32 matmul rate of {rate / 1e9:.0f} "
                                      f"GFLOP/s shared by {local} device(s)")
         flops = table_peak(kind)
-        return cls(flops, f"{kind}: {flops / 1e12:.0f} TFLOP/s bf16 dense") if flops else None
+        if not flops:
+            return None
+        return cls(flops, f"{kind}: {flops / 1e12:.0f} TFLOP/s bf16 dense", table_peak(kind, "fp8"))
 
 
 def throughput(flops_per_token: float, tokens_per_s: float, num_devices: int,
-               peak: Peak | None) -> dict[str, float]:
-    """Model TFLOP/s per device, and MFU where the peak is known."""
+               peak: Peak | None, fp8: bool = False) -> dict[str, float]:
+    """Model TFLOP/s per device, and MFU where the peak is known; for a run with fp8
+    matmuls (`fp8`) also `mfu_fp8`, against the fp8 peak, an upper bound's view."""
     per_device = flops_per_token * tokens_per_s / num_devices
     out = {"tflops_per_device": per_device / 1e12}
     if peak is not None:
         out["mfu"] = per_device / peak.flops_per_device
+        if fp8 and peak.fp8_flops_per_device:
+            out["mfu_fp8"] = per_device / peak.fp8_flops_per_device
     return out
 
 
@@ -117,8 +124,9 @@ def memory() -> dict[str, float]:
 
 class StepClock:
     """Splits the wall time between logged steps into waiting for data, host work
-    (logging, evaluation, starting a checkpoint save) and the rest: dispatching steps
-    and waiting for the devices, i.e. the step itself.
+    (logging, evaluation, starting a checkpoint save, writing a profile) and the
+    rest, `compute_s`: dispatching steps and waiting for the devices. Host work done
+    while logging a step counts in the next logging window.
 
     Steps run asynchronously, so time spent reading the next batch overlaps the
     device's work on the previous step; `data_wait` is host time in the reader, an
@@ -143,45 +151,55 @@ class StepClock:
         now = time.perf_counter()
         wall = now - self.start
         out = {"step_time_s": wall / steps, "data_wait_s": self.data / steps,
-               "host_s": self.host / steps}
+               "host_s": self.host / steps,
+               "compute_s": (wall - self.data - self.host) / steps}
         self.start, self.data, self.host = now, 0.0, 0.0
         return out
 
 
 class ProfileWindow:
-    """A jax.profiler trace of train steps [start, stop] into `directory`: an XPlane
-file for TensorBoard's profile plugin and a Perfetto trace beside it.
+    """A jax.profiler trace of train steps [start, stop] into `directory` (one
+    subdirectory per process when there are several): an XPlane file for
+    TensorBoard's profile plugin and a Perfetto trace beside it.
 
-    Each step in the window is annotated with its number, so TensorBoard's profile
-    plugin splits the trace by step; the trace stops once step `stop` has finished on
-    the devices, so the last step is whole.
+    Each traced step is annotated with its number, so TensorBoard's profile plugin
+    splits the trace by step. The trace starts once the steps before have finished
+    on the devices and stops once the last traced step has, so it holds whole steps
+    only. A run that resumes inside the window traces the rest of it.
     """
 
-    def __init__(self, directory, span: tuple[int, int] | None):
+    def __init__(self, directory: Path, span: tuple[int, int] | None):
+        if jax.process_count() > 1:  # each process writes its own trace files
+            directory = directory / f"process_{jax.process_index()}"
         self.directory, self.span, self.active = directory, span, False
 
-    def step(self, step: int):
+    def starts_at(self, step: int) -> bool:
+        return bool(self.span) and not self.active and self.span[0] <= step <= self.span[1]
+
+    def ends_at(self, step: int) -> bool:
+        return self.active and step == self.span[1]
+
+    def start(self) -> None:
+        jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+        self.active = True
+
+    def annotate(self, step: int):
         """A context for running train step `step`."""
-        if self.span and step == self.span[0]:
-            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
-            self.active = True
         if self.active:
             return jax.profiler.StepTraceAnnotation("train", step_num=step)
         return contextlib.nullcontext()
 
-    def after(self, step: int, state) -> None:
-        """Call after step `step` was dispatched, with the state it returned."""
-        if self.active and step == self.span[1]:
-            jax.block_until_ready(state)
-            self.stop()
+    def stop(self) -> None:
+        if self.active:
+            self.active = False
+            jax.profiler.stop_trace()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):  # a run that stops early still leaves a readable trace
-        self.stop()
-
-    def stop(self) -> None:
-        if self.active:
-            jax.profiler.stop_trace()
-            self.active = False
+        try:
+            self.stop()
+        except Exception:
+            if exc[0] is None:  # else the run's own error is the one to see
+                raise

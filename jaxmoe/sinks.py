@@ -42,9 +42,15 @@ def check_available(cfg: Config) -> None:
         if getattr(cfg.logging, sink):
             _import(sink)
     if cfg.logging.wandb and cfg.logging.wandb_mode == "online":
-        missing = distributed.is_main() and not _has_wandb_credentials(_import("wandb"))
-        if distributed.any_process(missing):
-            raise ConfigError(NO_CREDENTIALS)
+        problem = None
+        if distributed.is_main():
+            try:
+                problem = None if _has_wandb_credentials(_import("wandb")) else NO_CREDENTIALS
+            except ConfigError as e:  # a malformed key
+                problem = str(e)
+        if distributed.any_process(problem is not None):
+            raise ConfigError(problem or "logging.wandb_mode=online: process 0 found no usable "
+                                         "W&B credentials")
 
 
 def _has_wandb_credentials(wandb) -> bool:
@@ -106,17 +112,19 @@ class WandbSink:
     """A W&B run named after the run directory, with its local files in RUN_DIR/wandb.
 
     Offline (the default): `wandb sync RUN_DIR/wandb/offline-run-*` uploads it later.
-    The run's id is kept in RUN_DIR/wandb/run_id; a training run that resumes passes
-    it back with resume="allow", so the W&B run continues (same id, the steps go on).
+    The run's id is kept in RUN_DIR/wandb/run_id; a training run that resumes from a
+    checkpoint (`resuming`) passes it back with resume="allow", so the W&B run
+    continues (same id, the steps go on); one that starts from step 0 starts a new
+    W&B run, whose steps W&B would otherwise drop below the old run's last.
     """
 
-    def __init__(self, run_dir: Path, cfg: Config):
+    def __init__(self, run_dir: Path, cfg: Config, resuming: bool = False):
         self.wandb = _import("wandb")
         log = cfg.logging
         if log.wandb_mode == "online" and not _has_wandb_credentials(self.wandb):
             raise ConfigError(NO_CREDENTIALS)  # wandb.init would prompt on a terminal
         id_file = run_dir / WANDB_RUN_ID
-        run_id = id_file.read_text().strip() if id_file.exists() else None
+        run_id = id_file.read_text().strip() if resuming and id_file.exists() else None
         settings = self.wandb.Settings(silent=True, console="off", disable_git=True)
         try:
             self.run = self.wandb.init(
@@ -145,10 +153,18 @@ class WandbSink:
         self.run.finish()
 
 
-def open_sinks(cfg: Config, run_dir: Path) -> list:
-    sinks = []
-    if cfg.logging.tensorboard:
-        sinks.append(TensorBoardSink(run_dir))
-    if cfg.logging.wandb:
-        sinks.append(WandbSink(run_dir, cfg))
+def open_sinks(cfg: Config, run_dir: Path, resuming: bool = False) -> list:
+    """The configured sinks, opened on process 0 (an empty list elsewhere). Every
+    process calls it: a sink that fails to open on process 0 stops them all."""
+    sinks, error = [], None
+    if distributed.is_main():
+        try:
+            if cfg.logging.tensorboard:
+                sinks.append(TensorBoardSink(run_dir))
+            if cfg.logging.wandb:
+                sinks.append(WandbSink(run_dir, cfg, resuming))
+        except ConfigError as e:
+            error = e
+    if distributed.any_process(error is not None):
+        raise error or ConfigError("logging: a metric sink failed to open on process 0")
     return sinks

@@ -21,7 +21,7 @@ from jaxmoe import sharding
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.load_metrics import load_metrics
 from jaxmoe.model.transformer import Transformer, stored_layer_order
-from jaxmoe.optim import (learning_rate_schedule, make_optimizer, param_name,
+from jaxmoe.optim import (learning_rate_schedule, make_optimizer, param_names,
                           unmatched_patterns, updates_are_elementwise)
 from jaxmoe.parallel import ddp
 from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
@@ -357,9 +357,8 @@ def check_optimizer(cfg: Config, mesh: Mesh, abs_params: nnx.State, shard_specs:
     o = cfg.optimizer
     unmatched = unmatched_patterns(abs_params, o.no_decay)
     if unmatched:
-        names = [param_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(abs_params)]
         raise ConfigError(f"optimizer.no_decay: {unmatched} match no parameter; the "
-                          f"parameters' paths are {', '.join(names)}")
+                          f"parameters' paths are {', '.join(param_names(abs_params))}")
     # The per-device step updates each device's part of a tensor on its own: right
     # only for an optimizer that updates every element from its own history.
     specs = jax.tree.leaves(shard_specs, is_leaf=lambda x: isinstance(x, P))

@@ -55,6 +55,10 @@ def check_resumable(cfg: Config, require: bool) -> None:
         return
     step, meta = checkpoint.read_meta(directory)
     checkpoint.check_compatible(meta["config"], cfg, directory / str(step))
+    if "no_decay" not in meta["config"].get("optimizer", {}):
+        print(f"note: checkpoint {directory / str(step)} was saved when every tensor of 2 or more "
+              "dimensions decayed; from here on optimizer.no_decay "
+              f"{list(cfg.optimizer.no_decay)} and stacked norm scales do not", file=sys.stderr)
 
 
 class StopSignals:
@@ -117,7 +121,7 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                                process_index=block, process_count=blocks)
     manager = checkpoint.checkpoint_manager(run_dir, cfg)
     monitor = Monitor(run_dir, t.steps, start, cfg.logging.progress,
-                      sinks.open_sinks(cfg, run_dir) if main else [], active=main)
+                      sinks.open_sinks(cfg, run_dir, resuming=start > 0), active=main)
     if jax.process_count() > 1:
         monitor.write(distributed.layout(steps.batch_sharding, t.batch_size))
     summary = {"run_dir": str(run_dir.absolute())}
@@ -132,6 +136,9 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     monitor.write("MFU against " + (peak.source if peak else
                                     f"no known peak for {steps.mesh.devices.flat[0].device_kind}"))
     profile = ProfileWindow(run_dir / "profile", cfg.logging.profile_steps)
+    if profile.span and start >= profile.span[1]:
+        monitor.write(f"logging.profile_steps {list(profile.span)}: this run resumes after "
+                      "the window; no trace")
     clock, last_step, record, stop = StepClock(), start, {}, None
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     if cfg.data.prefetch:  # started last: nothing that could fail comes between it and its end
@@ -140,15 +147,22 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
         for step in range(start + 1, end + 1):
             with clock.timed("data"):
                 batch = global_batch(steps, next(batches))
-            with profile.step(step):
+            if profile.starts_at(step):
+                jax.block_until_ready(state)
+                profile.start()
+            with profile.annotate(step):
                 state, metrics = steps.train_step(state, batch)
-            profile.after(step, state)
+            if profile.ends_at(step):
+                jax.block_until_ready(state)
+                with clock.timed("host"):  # writing the trace files
+                    profile.stop()
             if step % cfg.logging.log_every == 0 or step == end:
                 record = {"step": step, **to_python(metrics)}  # waits for this step
                 times = clock.split(step - last_step)
                 with clock.timed("host"):
                     record["tokens_per_s"] = tokens_per_step / times["step_time_s"]
-                    record |= throughput(model_flops, record["tokens_per_s"], steps.mesh.size, peak)
+                    record |= throughput(model_flops, record["tokens_per_s"], steps.mesh.size, peak,
+                                         fp8=cfg.moe.expert_precision == "mxfp8")
                     record |= memory() | times
                     record |= {f"data_{k}": v for k, v in batches.progress(step).items()}
                     monitor.log(record)

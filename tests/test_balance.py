@@ -299,6 +299,24 @@ def test_recent_history_keeps_what_the_checks_read():
     assert [r["step"] for r in lm.recent_history(every_step)] == list(range(60, 101))
     sparse = [_record(s, **FAR) for s in range(100, 2100, 100)]
     assert [r["step"] for r in lm.recent_history(sparse)] == list(range(1100, 2100, 100))
+    every_third = [_record(s, **FAR) for s in range(3, 151, 3)]  # 3 does not divide 40
+    assert [r["step"] for r in lm.recent_history(every_third)][0] == 108  # 150 - 40 = 110
+
+
+@pytest.mark.parametrize("log_every", range(1, 21))
+def test_steady_check_fires_whatever_the_logging_interval(log_every):
+    """Far from balanced from the first step: fires at the first logged step at least
+    WINDOW records and STEADY_STEPS steps past the settling, as a Monitor keeps them."""
+    settle, history, fired = 50, [], None
+    for step in range(log_every, 401, log_every):
+        history = lm.recent_history(history + [_record(step, **FAR)])
+        if steady_gerrymandering(history, settle):
+            fired = step
+            break
+    counted = [s for s in range(log_every, 401, log_every) if s > settle]
+    want = next(s for i, s in enumerate(counted)
+                if i + 1 >= lm.WINDOW and s - counted[0] >= lm.STEADY_STEPS)
+    assert fired == want
 
 
 def test_steady_state_message_names_layer_and_figures():

@@ -345,6 +345,7 @@ def test_an_optax_optimizer_by_name_equals_optax_and_skips():
     ({"name": "lbfgs", "weight_decay": 0}, "optimizer.name"),  # its update needs the loss
     ({"no_decay": ["embed", " "]}, "optimizer.no_decay"),
     ({"mu_dtype": "float16"}, "optimizer.mu_dtype"),
+    ({"name": "lion", "b1": 0.8}, "optimizer.b1: used by adamw only"),  # would be ignored
 ])
 def test_bad_optimizer_settings_name_the_key(raw, key):
     with pytest.raises(ConfigError, match=f"^{key}"):

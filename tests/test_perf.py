@@ -5,6 +5,7 @@ import json
 import jax
 import pytest
 import yaml
+from jax.profiler import ProfileData
 
 from jaxmoe import perf
 from jaxmoe.config import ConfigError, config_from_dict, flops_per_token
@@ -35,6 +36,10 @@ def test_throughput_arithmetic():
     assert out["tflops_per_device"] == pytest.approx(6e9 / 3 / 1e12)
     assert out["mfu"] == pytest.approx(2e9 / 2e12)
     assert "mfu" not in perf.throughput(6e6, 1000.0, 3, None)
+    assert "mfu_fp8" not in out  # a bf16 run
+    h200 = perf.Peak(989e12, "h200", 1979e12)
+    fp8 = perf.throughput(6e6, 1000.0, 3, h200, fp8=True)
+    assert fp8["mfu_fp8"] == pytest.approx(2e9 / 1979e12) and fp8["mfu"] == pytest.approx(2e9 / 989e12)
 
 
 def test_cpu_peak_is_measured_and_shared_by_the_fake_devices():
@@ -54,9 +59,11 @@ def test_step_clock_splits_wall_time(monkeypatch):
     now[0] += 5.0  # the steps
     with clock.timed("host"):
         now[0] += 2.0
-    assert clock.split(4) == {"step_time_s": 2.0, "data_wait_s": 0.25, "host_s": 0.5}
+    assert clock.split(4) == {"step_time_s": 2.0, "data_wait_s": 0.25, "host_s": 0.5,
+                              "compute_s": 1.25}
     now[0] += 3.0
-    assert clock.split(1) == {"step_time_s": 3.0, "data_wait_s": 0.0, "host_s": 0.0}
+    assert clock.split(1) == {"step_time_s": 3.0, "data_wait_s": 0.0, "host_s": 0.0,
+                              "compute_s": 3.0}
 
 
 def test_a_run_logs_throughput_memory_and_the_time_split(tiny_run):
@@ -64,14 +71,18 @@ def test_a_run_logs_throughput_memory_and_the_time_split(tiny_run):
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     cfg = config_from_dict(yaml.safe_load((tiny_run / "config.yaml").read_text()))
+    peaks = []
     for r in steps:
         assert r["tflops_per_device"] == pytest.approx(
             flops_per_token(cfg) * r["tokens_per_s"] / 8 / 1e12, rel=1e-6)
-        assert 0 < r["mfu"] < 1.5  # a measured CPU peak can be beaten a little by luck, not 1.5x
+        peaks.append(r["tflops_per_device"] / r["mfu"])  # the peak's TFLOP/s
         assert 0 < r["host_memory_gb"] <= r["host_memory_peak_gb"] < 64
         assert r["tokens_per_s"] == pytest.approx(
             cfg.train.batch_size * cfg.train.seq_len / r["step_time_s"], rel=1e-6)
-        assert 0 <= r["data_wait_s"] < r["step_time_s"] and 0 <= r["host_s"] < r["step_time_s"]
+        assert min(r["data_wait_s"], r["host_s"], r["compute_s"]) >= 0
+        assert r["data_wait_s"] + r["host_s"] + r["compute_s"] == pytest.approx(r["step_time_s"])
+    assert peaks == pytest.approx([peaks[0]] * len(peaks), rel=1e-12)  # measured once, at the start
+    assert 1e-4 < peaks[0] * 8 < 10  # a 2-core host's float32 TFLOP/s, split 8 ways
 
 
 def test_the_profile_window_traces_the_scopes(tiny_run):
@@ -79,7 +90,10 @@ def test_the_profile_window_traces_the_scopes(tiny_run):
     data = trace.read_bytes()
     for scope in (b"attention", b"router", b"dispatch", b"expert_gemms", b"optimizer"):
         assert scope + b"/" in data, scope
-    assert b"train" in data  # the step annotations that TensorBoard splits steps by
+    traced = [dict(event.stats)["step_num"]  # the annotations TensorBoard splits steps by
+              for plane in ProfileData.from_file(str(trace)).planes for line in plane.lines
+              for event in line.events if event.name == "train"]
+    assert traced == [2, 3]  # the window, whole steps only
 
 
 def test_profile_steps_are_validated():
@@ -92,3 +106,12 @@ def test_profile_steps_are_validated():
         config_from_dict({"logging": {"profile_steps": [5, 3]}})
     with pytest.raises(ConfigError, match="logging.profile_steps"):
         config_from_dict({"logging": {"profile_steps": [1, 201]}})
+
+
+def test_the_profile_window_starts_where_a_resumed_run_enters_it(tmp_path):
+    window = perf.ProfileWindow(tmp_path, (5, 8))
+    assert [s for s in range(1, 12) if window.starts_at(s)] == [5, 6, 7, 8]  # not yet started
+    assert not window.ends_at(8)  # nothing to stop
+    window.active = True  # as after start() at step 7, a run resumed from step 6
+    assert not window.starts_at(8) and window.ends_at(8) and not window.ends_at(7)
+    assert not any(perf.ProfileWindow(tmp_path, None).starts_at(s) for s in range(1, 5))

@@ -70,7 +70,7 @@ def test_wandb_run_resumed_in_its_run_directory_continues(tmp_path):
     run_dir = tmp_path / "run-a"
     ids, parts = [], []
     for step in (1, 2):  # a training run, then the same run directory resumed
-        (sink,) = sinks.open_sinks(cfg, run_dir)
+        (sink,) = sinks.open_sinks(cfg, run_dir, resuming=step > 1)
         sink.log({"step": step, "loss": 3.0 / step})
         ids.append(sink.run.id)
         parts.append(Path(sink.run.dir).parent)
@@ -86,6 +86,10 @@ def test_wandb_run_resumed_in_its_run_directory_continues(tmp_path):
     (other,) = sinks.open_sinks(cfg, tmp_path / "run-b")
     other.close()
     assert other.run.id != ids[0]  # the id comes from the run directory, not chance
+    (restarted,) = sinks.open_sinks(cfg, run_dir)  # from step 0 again: a new W&B run
+    restarted.close()
+    assert restarted.run.id != ids[0]
+    assert (run_dir / "wandb" / "run_id").read_text().strip() == restarted.run.id
 
 
 class _FakeRun:
@@ -110,7 +114,7 @@ def test_wandb_online_run_arguments(tmp_path, wandb_init_calls):
     run_dir = tmp_path / "run-a"
     sinks.open_sinks(cfg, run_dir)
     assert (run_dir / "wandb" / "run_id").read_text() == "fakeid01\n"
-    sinks.open_sinks(cfg, run_dir)  # resumed
+    sinks.open_sinks(cfg, run_dir, resuming=True)
     named = config_from_dict({"logging": logging | {"wandb_name": "ablation"}})
     sinks.open_sinks(named, tmp_path / "run-b")
     keys = ("mode", "project", "entity", "name", "id", "resume")
