@@ -25,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxmoe.config import Config, config_from_dict, current_value
+from jaxmoe.config import SHAPE_KEYS, Config, config_from_dict, current_value
 from jaxmoe.model.transformer import stored_layer_order
 from jaxmoe.step import Steps, TrainState, abstract_model
 
@@ -38,12 +38,6 @@ from jaxmoe.step import Steps, TrainState, abstract_model
 FORMAT_VERSION = 3
 RESUMES_SINCE = 2
 WEIGHTS_SINCE = 1  # params and router biases are laid out as in format 1
-# Keys whose change alters parameter or optimizer-state shapes.
-SHAPE_KEYS = {
-    "model": ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-              "mlp_hidden", "num_dense_layers", "qk_norm"),
-    "moe": ("num_experts", "expert_hidden", "shared_expert_hidden", "expert_bias"),
-}
 
 
 class CheckpointError(ValueError):

@@ -476,6 +476,13 @@ def override_config(cfg: Config, overrides: typing.Sequence[str]) -> Config:
 
 # ---------------------------------------------------------------- derived sizes
 
+# Keys whose change alters parameter or optimizer-state shapes.
+SHAPE_KEYS = {
+    "model": ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "mlp_hidden", "num_dense_layers", "qk_norm"),
+    "moe": ("num_experts", "expert_hidden", "shared_expert_hidden", "expert_bias"),
+}
+
 
 @dataclass(frozen=True)
 class ParamCounts:

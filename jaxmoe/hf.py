@@ -24,11 +24,12 @@ import json
 import struct
 from pathlib import Path
 
+import jax
 import ml_dtypes
 import numpy as np
 
 from jaxmoe.api import check_params
-from jaxmoe.config import Config, config_from_dict
+from jaxmoe.config import SHAPE_KEYS, Config, config_from_dict
 
 FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
             "mixtral": "MixtralForCausalLM", "dots1": "Dots1ForCausalLM"}
@@ -205,11 +206,9 @@ def config_from_hf(hf: dict) -> Config:
 
 # The keys of an architecture: what a checkpoint's weights fix. The rest of a run's
 # config (dispatcher, capacity, losses, precision, parallelism) stays the user's.
-ARCHITECTURE = {"model": ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                          "head_dim", "mlp_hidden", "num_dense_layers", "qk_norm", "rope_theta",
-                          "norm_eps"),
-                "moe": ("num_experts", "top_k", "expert_hidden", "shared_expert_hidden",
-                        "score_func", "renormalize", "expert_bias", "gate_scale")}
+# The keys that shape the weights, and those that change what the weights compute.
+ARCHITECTURE = {"model": SHAPE_KEYS["model"] + ("rope_theta", "norm_eps"),
+                "moe": SHAPE_KEYS["moe"] + ("top_k", "score_func", "renormalize", "gate_scale")}
 
 
 def with_architecture(cfg: Config, source: Config) -> Config:
@@ -318,15 +317,11 @@ def _layer(params: dict, cfg: Config, i: int) -> dict:
 
 
 def _index(tree, j):
-    return {k: _index(v, j) for k, v in tree.items()} if isinstance(tree, dict) else \
-        np.asarray(tree[j])
+    return jax.tree.map(lambda a: np.asarray(a[j]), tree)
 
 
 def _stack(layers: list[dict]):
-    first = layers[0]
-    if isinstance(first, dict):
-        return {k: _stack([x[k] for x in layers]) for k in first}
-    return np.stack(layers)
+    return jax.tree.map(lambda *xs: np.stack(xs), *layers)
 
 
 # ---------------------------------------------------------------- safetensors files
