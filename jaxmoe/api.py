@@ -157,7 +157,7 @@ def moe_layer_params(params: Params, config: Config, layer: int) -> Params:
 
 def local_config(config: Config) -> Config:
     """The same model on one device, layers in model order: expert-parallel
-    dispatchers become `grouped` (same capacity rule, per device)."""
+    dispatchers become `grouped` (the same capacity factor, over the call's tokens)."""
     overrides = ["mesh.data=1", "mesh.expert=1", "mesh.stage=1", "pipeline.schedule=gpipe",
                  "pipeline.virtual_stages=1", "pipeline.stage_microbatches=1"]
     if config.moe.dispatcher not in LOCAL_DISPATCHERS:

@@ -62,7 +62,10 @@ class MoEConfig:
     bias_update_rate: float = 1e-3  # bias += rate * sign(mean load - load) after each step
     router_jitter: float = 0.0  # multiplicative input noise in training, e.g. 0.01
     dispatcher: Literal["dense", "grouped", "alltoall", "allgather", "ragged"] = "grouped"
-    capacity_factor: float = 1.25  # buffer rows per expert = factor * T * K / E
+    # rows of each expert's buffer = factor x its uniform share T * K / E, over a
+    # device's T tokens (grouped, alltoall) or its expert group's (ragged, allgather);
+    # copies past it are dropped and counted. E / K never drops (room for every token)
+    capacity_factor: float = 1.25
     # expert GEMMs: in model.compute_dtype, or MXFP8 (e4m3 blocks of 32 with e8m0 scales)
     expert_precision: Literal["compute", "mxfp8"] = "compute"
     mxfp8_weight_grad: bool = False  # mxfp8: weight gradients in MXFP8 too (else bf16)
@@ -268,8 +271,6 @@ def validate(c: Config) -> None:
         if moe.expert_precision == "mxfp8":
             _require(m.d_model % 32 == 0 and moe.expert_hidden % 32 == 0, "moe.expert_precision",
                      "mxfp8 blocks of 32 need d_model and expert_hidden divisible by 32")
-            _require(not (moe.dispatcher == "ragged" and moe.mxfp8_weight_grad),
-                     "moe.mxfp8_weight_grad", "the ragged dispatcher keeps bf16 weight gradients")
     for axis in ("data", "expert", "stage"):
         v = getattr(c.mesh, axis)
         _require(v == -1 or v > 0, f"mesh.{axis}", f"must be positive or -1, got {v}")

@@ -16,7 +16,7 @@ from jaxmoe.model.experts import ExpertWeights, expert_ffn
 from jaxmoe.model.moe import MoE
 from jaxmoe.model.router import Routing, route
 from jaxmoe.parallel import ragged_cpu
-from jaxmoe.parallel.ep_dispatch import ragged_ffn, ragged_plan
+from jaxmoe.parallel.ep_dispatch import ragged_plan
 from jaxmoe.parallel.layout import dispatch_on_mesh, layout_for
 from jaxmoe.sharding import BATCH_AXES, make_mesh, per_device_shapes
 from jaxmoe.step import build_steps
@@ -30,7 +30,8 @@ ATOL = 1e-5
 
 
 def _cfg(dispatcher="dense", factor=E / K):
-    # factor E / K makes C = Tl: a device's copies cannot overflow one expert's buffer.
+    # factor E / K makes every buffer hold every token it could get (C = Tl per device,
+    # R Tl pooled over an expert group): nothing can overflow.
     # global balance scope: the loss must not depend on how the batch is split
     return MoEConfig(num_experts=E, top_k=K, expert_hidden=F, dispatcher=dispatcher,
                      capacity_factor=factor, balance_scope="global")
@@ -132,18 +133,22 @@ def test_alltoall_fsdp_weights_are_regathered(problem):
     assert _close(y, y_ref) and not _close(y, y_bad, atol=1e-3)
 
 
-def _kept_mask(expert_TxK, cap, n_shards):
-    """NumPy: which copies find room, per device shard, in k-major arrival order."""
+def _kept_mask(expert_TxK, cap, n_shards, shared=1):
+    """NumPy: which copies find room. Each expert's buffer of `cap` rows is filled by
+    `shared` consecutive device shards (1: each device its own, as `grouped` and
+    `alltoall`; R: an expert group's, as `ragged` and `allgather`), shard by shard,
+    k-major (arrival order) within a shard."""
     expert_TxK = np.asarray(expert_TxK)
     Tl = expert_TxK.shape[0] // n_shards
     kept = np.zeros(expert_TxK.shape, bool)
-    for s in range(n_shards):
+    for group in range(n_shards // shared):
         used = np.zeros(E, int)
-        for k in range(K):
-            for t in range(s * Tl, (s + 1) * Tl):
-                e = expert_TxK[t, k]
-                kept[t, k] = used[e] < cap
-                used[e] += 1
+        for s in range(group * shared, (group + 1) * shared):
+            for k in range(K):
+                for t in range(s * Tl, (s + 1) * Tl):
+                    e = expert_TxK[t, k]
+                    kept[t, k] = used[e] < cap
+                    used[e] += 1
     return kept
 
 
@@ -190,33 +195,63 @@ def _dense_with_kept_vjp(x_TxD, expert_TxK, gate_TxK, kept_TxK, w, ct_TxD):
     return y, vjp(ct_TxD)
 
 
+def _assert_survivors(got, kept, x, routing, w, ct, full):
+    """(y, dropped, grads) are those of the kept copies alone, and unlike the no-drop
+    answer `full` in y and in every gradient."""
+    y, dropped, grads = got
+    y_kept, g_kept = _dense_with_kept_vjp(x, routing.expert_TxK, routing.gate_TxK,
+                                          jnp.asarray(kept, jnp.float32), w, ct)
+    assert int(dropped) == (~kept).sum()
+    assert _close(y, y_kept)
+    for got_g, want in zip(jax.tree.leaves(grads), jax.tree.leaves(g_kept)):  # x, gates, w
+        assert _close(got_g, want)
+    assert np.all(np.asarray(grads[1])[~kept] == 0)  # a dropped copy's gate does nothing
+    y_full, _, g_full = full
+    assert not _close(y, y_full, atol=1e-3)
+    for got_g, want in zip(jax.tree.leaves(grads), jax.tree.leaves(g_full)):
+        assert not _close(got_g, want, atol=1e-3)
+
+
 @pytest.mark.parametrize("name", ["grouped", "alltoall"])
 def test_drops_match_numpy_keep_mask_with_gradients(problem, tight_alltoall, name):
     """Capacity 1.0 drops some copies: outputs and gradients are those of the survivors."""
-    x, routing, w, ct, (y_full, _, g_full), _ = problem
+    x, routing, w, ct, full, _ = problem
     if name == "grouped":
-        mesh, cfg = None, _cfg("grouped", factor=1.0)
+        cfg = _cfg("grouped", factor=1.0)
         run, args, n_dev = _dispatch_vjp("grouped", cfg, None), (
             x, routing.expert_TxK, routing.gate_TxK, w, ct), 1
     else:
         mesh, cfg, run = tight_alltoall
         args, n_dev = _place(mesh, x, routing, w, ct), 8
-    C = capacity(T // n_dev, K, E, cfg.capacity_factor)
-    kept = _kept_mask(routing.expert_TxK, C, n_dev)
+    kept = _kept_mask(routing.expert_TxK, capacity(T // n_dev, K, E, cfg.capacity_factor), n_dev)
     assert 0 < (~kept).sum() < kept.size  # this routing overflows some buffers, not all
-    y, dropped, grads = run(*args)
-    y_kept, g_kept = _dense_with_kept_vjp(x, routing.expert_TxK, routing.gate_TxK,
-                                          jnp.asarray(kept, jnp.float32), w, ct)
+    _assert_survivors(run(*args), kept, x, routing, w, ct, full)
 
-    assert int(dropped) == (~kept).sum()
-    assert _close(y, y_kept)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(g_kept)):  # x, gates, w
-        assert _close(got, want)
-    assert np.all(np.asarray(grads[1])[~kept] == 0)  # a dropped copy's gate does nothing
-    # teeth: the no-drop answer differs, in y and in every gradient
-    assert not _close(y, y_full, atol=1e-3)
-    for got, full in zip(jax.tree.leaves(grads), jax.tree.leaves(g_full)):
-        assert not _close(got, full, atol=1e-3)
+
+@pytest.fixture(scope="module")
+def tight_pooled():
+    """ragged and allgather at capacity 1.0 on data 2 x expert 4, compiled once."""
+    mesh, cfg = _mesh(2, 4), _cfg(factor=1.0)
+    return mesh, cfg, {name: _dispatch_vjp(name, cfg, mesh) for name in ("ragged", "allgather")}
+
+
+@pytest.mark.parametrize("name", ["ragged", "allgather"])
+def test_pooled_drops_match_numpy_keep_mask_with_gradients(problem, tight_pooled,
+                                                           tight_alltoall, name):
+    """Buffers shared by an expert group's sources: the survivors' outputs and gradients,
+    and fewer drops than `alltoall`'s per-device buffers at the same capacity factor,
+    which hold as many rows in all."""
+    x, routing, w, ct, full, _ = problem
+    mesh, cfg, runs = tight_pooled
+    R = mesh.shape["expert"]
+    C = capacity(R * T // 8, K, E, cfg.capacity_factor)
+    assert C == R * capacity(T // 8, K, E, cfg.capacity_factor) == 8
+    kept = _kept_mask(routing.expert_TxK, C, 8, shared=R)
+    assert 0 < (~kept).sum() < kept.size
+    _assert_survivors(runs[name](*_place(mesh, x, routing, w, ct)), kept, x, routing, w, ct,
+                      full)
+    _, _, alltoall = tight_alltoall
+    assert int(alltoall(*_place(mesh, x, routing, w, ct))[1]) > (~kept).sum()
 
 
 @pytest.mark.parametrize("name", ["alltoall", "allgather", "ragged"])
@@ -229,8 +264,8 @@ def test_ep_dispatch_without_mesh_is_rejected(problem, name):
 # ------------------------------------------------------------------ ragged
 
 
-def _plan_numpy(counts, rank, El):
-    """Reference offsets by direct enumeration of each receiver's layout."""
+def _plan_numpy(counts, rank, El, C):
+    """Reference offsets by direct enumeration of each receiver's [El, C] layout."""
     R, E_ = counts.shape
     start = {}  # (src, e) -> row in src's expert-sorted send buffer
     for s in range(R):
@@ -238,21 +273,21 @@ def _plan_numpy(counts, rank, El):
         for e in range(E_):
             start[s, e] = pos
             pos += counts[s, e]
-    place = {}  # (src, e) -> row in receiver e // El's buffer: by local expert, then by source
-    for r in range(R):
+    place, kept = {}, {}  # (src, e) -> receiver row, rows that fit
+    for e in range(E_):
         pos = 0
-        for le in range(El):
-            for s in range(R):
-                place[s, r * El + le] = pos
-                pos += counts[s, r * El + le]
+        for s in range(R):
+            kept[s, e] = max(0, min(counts[s, e], C - pos))
+            place[s, e] = (e % El) * C + pos if kept[s, e] else 0
+            pos += counts[s, e]
     mine = [r * El + le for r in range(R) for le in range(El)]
     from_src = [(s, rank * El + le) for s in range(R) for le in range(El)]
-    fwd = ([start[rank, e] for e in mine], [counts[rank, e] for e in mine],
-           [place[rank, e] for e in mine], [counts[s, e] for s, e in from_src])
-    bwd = ([place[s, e] for s, e in from_src], [counts[s, e] for s, e in from_src],
-           [start[s, e] for s, e in from_src], [counts[rank, e] for e in mine])
-    group = [sum(counts[s, rank * El + le] for s in range(R)) for le in range(El)]
-    return fwd, bwd, group
+    fwd = ([start[rank, e] for e in mine], [kept[rank, e] for e in mine],
+           [place[rank, e] for e in mine], [kept[s, e] for s, e in from_src])
+    bwd = ([place[s, e] for s, e in from_src], [kept[s, e] for s, e in from_src],
+           [start[s, e] for s, e in from_src], [kept[rank, e] for e in mine])
+    dropped = sum(counts[rank, e] - kept[rank, e] for e in mine)
+    return fwd, bwd, dropped
 
 
 def _ragged_all_to_all_numpy(operands, outputs, args):
@@ -275,59 +310,48 @@ def _ragged_all_to_all_numpy(operands, outputs, args):
     return results
 
 
-def test_ragged_plan_matches_numpy_and_round_trips():
+@pytest.mark.parametrize("C", [12, 5], ids=["roomy", "tight"])
+def test_ragged_plan_matches_numpy_and_round_trips(C):
     R, El = 4, 2
     rng = np.random.default_rng(0)
     counts = rng.integers(0, 5, size=(R, R * El))
     counts[1, :] = 0  # a rank that sends nothing
     counts[:, 3] = 0  # an expert nobody picks
-    plans = [jax.tree.map(np.asarray, ragged_plan(jnp.asarray(counts), jnp.int32(r), El))
+    plans = [jax.tree.map(np.asarray, ragged_plan(jnp.asarray(counts), jnp.int32(r), El, C))
              for r in range(R)]
+    load_E = counts.sum(0)
+    assert (load_E.max() <= C) == (C == 12)  # roomy holds every copy, tight does not
     for r, plan in enumerate(plans):
-        fwd, bwd, group = _plan_numpy(counts, r, El)
+        fwd, bwd, dropped = _plan_numpy(counts, r, El, C)
         np.testing.assert_array_equal(np.stack(plan.forward), np.array(fwd))
         np.testing.assert_array_equal(np.stack(plan.backward), np.array(bwd))
-        np.testing.assert_array_equal(plan.group_sizes_El, group)
+        assert int(plan.dropped) == dropped
+    assert sum(int(p.dropped) for p in plans) == np.maximum(load_E - C, 0).sum()
 
-    # Exchange row ids under the documented semantics: every receiver's buffer
-    # comes out grouped by local expert, and the reverse exchange restores the senders.
+    # Exchange row ids under the documented semantics: every receiver's buffer comes
+    # out as [El, C] rows, the sources in order in each expert's, the kept rows only;
+    # the reverse exchange restores the kept rows of every sender.
     N = counts.sum(1).max()
     sent = []
     for s in range(R):  # tag rows with (source, expert, row) so placement is checkable
         rows = [(s, e, i) for e in range(R * El) for i in range(counts[s, e])]
         sent.append(np.array(rows + [(-1, -1, -1)] * (N - len(rows)), np.int64).reshape(N, 3))
-    recv = _ragged_all_to_all_numpy(sent, [np.full((R * N, 3), -1)] * R,
+    recv = _ragged_all_to_all_numpy(sent, [np.full((El * C, 3), -1)] * R,
                                     [p.forward for p in plans])
     for r in range(R):
-        expect = [(s, r * El + le, i) for le in range(El) for s in range(R)
-                  for i in range(counts[s, r * El + le])]
-        got = recv[r][:len(expect)]
-        np.testing.assert_array_equal(got, np.array(expect).reshape(-1, 3))
-        assert np.all(recv[r][len(expect):] == -1)
-        assert plans[r].group_sizes_El.sum() == len(expect)
+        for le in range(El):
+            e = r * El + le
+            expect = [(s, e, i) for s in range(R) for i in range(counts[s, e])][:C]
+            got = recv[r][le * C:(le + 1) * C]
+            np.testing.assert_array_equal(got[:len(expect)], np.array(expect).reshape(-1, 3))
+            assert np.all(got[len(expect):] == -1)
     back = _ragged_all_to_all_numpy(recv, [np.full((N, 3), -1)] * R,
                                     [p.backward for p in plans])
     for s in range(R):
-        np.testing.assert_array_equal(back[s], sent[s])
+        returned = back[s][:, 0] != -1
+        np.testing.assert_array_equal(back[s][returned], sent[s][returned])
+        assert returned.sum() == counts[s].sum() - int(plans[s].dropped)
     assert not np.array_equal(back[0], sent[2])  # distinct buffers: the check can fail
-
-
-def test_ragged_ffn_matches_expert_ffn():
-    w = _weights(jax.random.key(2))
-    sizes = np.array([3, 0, 5, 1, 7, 0, 2, 4])  # empty groups and unused tail rows
-    M = sizes.sum() + 6
-    x = jax.random.normal(jax.random.key(3), (M, D))
-    y = np.asarray(jax.jit(ragged_ffn)(w, x, jnp.asarray(sizes, jnp.int32)))
-    starts = np.cumsum(sizes) - sizes
-    C = sizes.max()
-    x_ExCxD = np.zeros((E, C, D), np.float32)
-    for e in range(E):
-        x_ExCxD[e, :sizes[e]] = np.asarray(x)[starts[e]:starts[e] + sizes[e]]
-    y_ref = np.asarray(expert_ffn(w, jnp.asarray(x_ExCxD)))
-    for e in range(E):
-        assert _close(y[starts[e]:starts[e] + sizes[e]], y_ref[e, :sizes[e]])
-    # Rows of group 0 through expert 1 are a different answer.
-    assert not _close(y[:3], np.asarray(expert_ffn(w, jnp.asarray(x_ExCxD)))[1, :3], atol=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -390,7 +414,7 @@ def test_ragged_dispatch_under_vmap(problem, dense):
     x2, ct2 = x[::-1], ct[::-1]
     ref2 = dense(x2, skewed.expert_TxK, skewed.gate_TxK, w2, ct2)
     mesh = _mesh(2, 4)
-    # each with its own weights: ragged_dot has no batching rule for shared ones
+    # each problem with its own weights
     pairs = [(x, x2), (routing.expert_TxK, skewed.expert_TxK),
              (routing.gate_TxK, skewed.gate_TxK), (w, w2), (ct, ct2)]
     specs = [P(None, BATCH_AXES)] * 3 + [P(None, "expert"), P(None, BATCH_AXES)]
@@ -448,7 +472,7 @@ def test_moe_module_ep_matches_dense():
     y_ref, aux_ref = dense(ref_state, x, None)
     xs = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
     for name, factor, drops in [("alltoall", E / K, False), ("alltoall", 0.5, True),
-                                ("ragged", 0.5, False)]:  # ragged is dropless at any factor
+                                ("ragged", E / K, False), ("ragged", 0.5, True)]:
         state, ep = build(_cfg(name, factor))
         assert all(np.array_equal(a, b) for a, b in
                    zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)))
@@ -492,7 +516,7 @@ def _train_step(dispatcher, factor, init=None):
 def test_ragged_train_step_equals_alltoall_without_drops():
     """The same math on 8 devices: a capacity of E / K x the uniform share drops nothing."""
     alltoall, init = _train_step("alltoall", E / K)
-    ragged, _ = _train_step("ragged", 1.0, init)  # the dispatcher does not change the weights
+    ragged, _ = _train_step("ragged", E / K, init)  # the dispatcher does not change the weights
     loss, norm, drops, mu = ragged(TOKENS)
     ref_loss, ref_norm, ref_drops, ref_mu = alltoall(TOKENS)
     assert drops == ref_drops == 0

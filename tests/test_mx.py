@@ -233,17 +233,14 @@ def test_mx_linear_forward_and_gradients_pinned(mxfp8_weight_grad, rule):
 
 
 def test_config_reaches_the_expert_gemms():
-    """moe.mxfp8_scale and moe.mxfp8_weight_grad act in expert_ffn and ragged_ffn exactly
-    as the same arguments passed to the MX GEMMs directly, and each setting matters."""
+    """moe.mxfp8_scale and moe.mxfp8_weight_grad act in expert_ffn exactly as the same
+    arguments passed to the MX GEMM directly, and each setting matters."""
     from jaxmoe.config import MoEConfig
     from jaxmoe.model.experts import ExpertWeights, expert_ffn
-    from jaxmoe.ops.mx import mx_ragged_linear
-    from jaxmoe.parallel.ep_dispatch import ragged_ffn
     ks = jax.random.split(jax.random.key(5), 3)
     w = ExpertWeights(jax.random.normal(ks[0], (2, 32, 64)) / 6,
                       jax.random.normal(ks[1], (2, 32, 32)) / 6)
     x_ExCxD = jax.random.normal(ks[2], (2, 32, 32))
-    x_MxD, sizes = x_ExCxD.reshape(64, 32), jnp.asarray([20, 44], jnp.int32)
 
     def cfg(**kw):
         return MoEConfig(num_experts=2, expert_hidden=32, expert_precision="mxfp8", **kw)
@@ -253,16 +250,13 @@ def test_config_reaches_the_expert_gemms():
         return matmul(jax.nn.silu(gate) * up, w.w_down_ExFxD)
 
     @functools.partial(jax.jit, static_argnums=0)
-    def outputs(rule):  # (via the config, direct) for expert_ffn, then for ragged_ffn
+    def outputs(rule):  # (via the config, direct)
         return (expert_ffn(w, x_ExCxD, cfg(mxfp8_scale=rule)),
-                swiglu(lambda a, b: mx_linear(a, b, False, rule), w, x_ExCxD),
-                ragged_ffn(w, x_MxD, sizes, cfg(mxfp8_scale=rule)),
-                swiglu(lambda a, b: mx_ragged_linear(a, b, sizes, rule), w, x_MxD))
+                swiglu(lambda a, b: mx_linear(a, b, False, rule), w, x_ExCxD))
 
     by_rule = {rule: outputs(rule) for rule in RULES}
-    for got, direct, got_ragged, direct_ragged in by_rule.values():
+    for got, direct in by_rule.values():
         np.testing.assert_array_equal(got, direct)
-        np.testing.assert_array_equal(got_ragged, direct_ragged)
     assert all(np.any(a != b) for a, b in zip(*by_rule.values()))  # the rules differ
 
     def loss(f):
@@ -297,16 +291,17 @@ def _expert_grads(cfg, mesh=None):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
 
 
-def test_mxfp8_experts_under_ep_match_one_device():
+@pytest.mark.parametrize("dispatcher", ["alltoall", "ragged"])
+def test_mxfp8_experts_under_ep_match_one_device(dispatcher):
     """MXFP8 blocks run along each row's D, so where a token is computed does not change
-    what it sees: alltoall over 4 expert ranks gives the grouped result."""
+    what it sees: EP over 4 expert ranks gives the grouped result."""
     from jaxmoe.config import MeshConfig, MoEConfig
     from jaxmoe.sharding import make_mesh
     mx = MoEConfig(num_experts=8, top_k=2, expert_hidden=64, capacity_factor=4.0,
                    dispatcher="grouped", expert_precision="mxfp8")
     v_mx, g_mx = _expert_grads(mx)
     mesh = make_mesh(MeshConfig(data=2, expert=4))
-    v_ep, g_ep = _expert_grads(dataclasses.replace(mx, dispatcher="alltoall"), mesh)
+    v_ep, g_ep = _expert_grads(dataclasses.replace(mx, dispatcher=dispatcher), mesh)
     assert float(v_ep) == pytest.approx(float(v_mx), rel=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5), g_ep, g_mx)
 
@@ -330,38 +325,3 @@ def test_mxfp8_training_tracks_bf16(tmp_path):
         losses[precision] = train(cfg, corpus)["heldout_loss"]
     assert losses["mxfp8"] == pytest.approx(losses["compute"], abs=0.05)  # the stated margin
     assert losses["mxfp8"] != losses["compute"]  # and it is a different computation
-
-
-def test_mxfp8_ragged_ffn_matches_grouped_buffers():
-    from jaxmoe.config import MoEConfig
-    from jaxmoe.model.experts import ExpertWeights, expert_ffn
-    from jaxmoe.parallel.ep_dispatch import ragged_ffn
-    cfg = MoEConfig(num_experts=3, expert_hidden=32, expert_precision="mxfp8")
-    ks = jax.random.split(jax.random.key(3), 3)
-    w = ExpertWeights(jax.random.normal(ks[0], (3, 32, 64)) / 6, jax.random.normal(ks[1], (3, 32, 32)) / 6)
-    sizes = [5, 0, 11]
-    x = jax.random.normal(ks[2], (16, 32))
-    gs = jnp.asarray(sizes, jnp.int32)
-
-    def ragged_loss(x, w):
-        return jnp.sum(jnp.sin(ragged_ffn(w, x, gs, cfg)))
-
-    def buffer_loss(x, w):  # the same rows, one expert at a time
-        total, start = 0.0, 0
-        for e, n in enumerate(sizes):
-            if n:
-                we = ExpertWeights(w.w_gate_up_ExDx2F[e:e + 1], w.w_down_ExFxD[e:e + 1])
-                total += jnp.sum(jnp.sin(expert_ffn(we, x[None, start:start + n], cfg)))
-            start += n
-        return total
-
-    (v, (dx, dw)) = jax.jit(jax.value_and_grad(ragged_loss, (0, 1)))(x, w)
-    (v_ref, (dx_ref, dw_ref)) = jax.jit(jax.value_and_grad(buffer_loss, (0, 1)))(x, w)
-    np.testing.assert_allclose(v, v_ref, rtol=1e-5)
-    np.testing.assert_allclose(dx, dx_ref, rtol=1e-4, atol=1e-5)  # MXFP8 input gradient
-    # bf16 weight gradients (the ragged one is also rounded to bf16 on output)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2), dw, dw_ref)
-    got = (v, (dx, dw))
-    plain = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(ragged_ffn(
-        w, x, gs, dataclasses.replace(cfg, expert_precision="compute")))), (0, 1)))(x, w)
-    assert abs(float(plain[0]) - float(got[0])) > 1e-4  # MXFP8 really changed the numbers

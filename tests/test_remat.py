@@ -41,7 +41,7 @@ def _kept_names(dispatcher: str) -> dict[str, dict[str, int]]:
         "save_attention": ATTENTION,
         "save_exchange": EXCHANGE if ep else {},
         "offload": {f"host:{k}": n for k, n in {**ATTENTION, **EXPERT_GEMMS}.items()},
-        # JAX's unbatched-dots rule alone: batched einsums and ragged_dot are not kept
+        # JAX's unbatched-dots rule alone: the batched expert einsums are not kept
         "jax_dots": DOTS,
     }
 
@@ -120,15 +120,15 @@ def _eqns(jaxpr):
 
 @functools.cache
 def _gradient_program(dispatcher: str, remat_name: str) -> tuple[dict[str, int], set[str]]:
-    """Dots (dot_general and ragged_dot) of the training gradient per named scope,
-    attention and expert GEMMs, and every scope name in the program."""
+    """Dots of the training gradient per named scope, attention and expert GEMMs,
+    and every scope name in the program."""
     loss, params = _model(dispatcher)
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss(p, remat_name)))(params).jaxpr
     dots, scopes = collections.Counter(), set()
     for eqn in _eqns(jaxpr):
         stack = str(eqn.source_info.name_stack).split("/")
         scopes.update(stack)
-        if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+        if eqn.primitive.name == "dot_general":
             dots.update(s for s in ("attention", "expert_gemms") if s in stack)
     return dots, scopes
 
@@ -145,21 +145,20 @@ def test_each_policy_keeps_its_named_tensors(dispatcher, jax_dots):
     want = _kept_names(dispatcher)
     got = {name: _kept(dispatcher, name) for name in want}
     assert got == want
-    # JAX's unbatched-dots rule keeps no expert GEMM output, for batched einsums
-    # (grouped, alltoall) and ragged_dot alike; `matmuls` adds them by name
+    # JAX's unbatched-dots rule keeps no expert GEMM output (a batched einsum, for
+    # every dispatcher); `matmuls` adds them by name
     assert not set(got["jax_dots"]) & set(EXPERT_GEMMS)
     assert set(EXPERT_GEMMS) <= set(got["matmuls"])
 
 
 @pytest.mark.parametrize("dispatcher", ["grouped", "ragged"])
 def test_mxfp8_expert_gemm_outputs_are_kept(dispatcher):
-    """The MXFP8 GEMMs (custom VJPs around einsum or ragged_dot) carry the same names."""
+    """The MXFP8 GEMMs (a custom VJP around the einsum) carry the same names."""
     assert _kept(dispatcher, "save_expert_gemms", "mxfp8") == EXPERT_GEMMS
 
 
 def test_what_the_backward_pass_recomputes(jax_dots):
-    """Dots recomputed per layer (ragged: its expert GEMMs are ragged_dots): `full`
-    redoes attention's six (three projections, scores, probabilities x values, output
+    """Dots recomputed per layer: `full` redoes attention's six (three projections, scores, probabilities x values, output
     projection) and both expert GEMMs."""
     want = {
         "full": {"attention": 6, "expert_gemms": 2},

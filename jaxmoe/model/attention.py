@@ -9,6 +9,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import ModelConfig
+from jaxmoe.kernels import Kernels
 from jaxmoe.model.blockwise_attention import blockwise_attention
 from jaxmoe.model.layers import param, rms_norm, rope
 from jaxmoe.model.remat import ATTENTION_OUT, ATTENTION_QKV
@@ -49,13 +50,15 @@ class Attention(nnx.Module):
     def out(self, o_BxLxHxHd: jax.Array) -> jax.Array:
         return jnp.einsum("blhk,hkd->bld", o_BxLxHxHd, self.w_o[...].astype(o_BxLxHxHd.dtype))
 
-    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
+                 kernels: Kernels | None = None) -> jax.Array:
+        """kernels: the target's (`Kernels.attention` picks cuDNN's, XLA's or blockwise);
+        None: the default device's."""
         with jax.named_scope("attention"):
             q, k, v = self.qkv(x_BxLxD, positions_BxL)
-            if self.cfg.attention_block:
+            impl = (kernels or Kernels.default()).attention(self.cfg)
+            if impl == "blockwise":
                 o = blockwise_attention(q, k, v, self.cfg.attention_block)
-            else:
-                # jax.nn.dot_product_attention handles GQA (H a multiple of G) and
-                # picks the fused cuDNN kernel on GPU.
-                o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            else:  # both handle GQA (H a multiple of G)
+                o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
             return self.out(checkpoint_name(o, ATTENTION_OUT))

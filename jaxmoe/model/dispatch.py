@@ -2,9 +2,10 @@
 
 The local dispatchers share one signature,
 
-    dispatcher(x_TxD, routing, weights, cfg) -> Dispatched(y_TxD, dropped)
+    dispatcher(x_TxD, routing, weights, cfg, kernels) -> Dispatched(y_TxD, dropped)
 
-so the router and the experts never change when one is added. `dense` (every
+so the router and the experts never change when one is added (`kernels`: what
+the target runs, `jaxmoe.kernels`; None: the default device's). `dense` (every
 expert on every token) is the reference; `grouped` packs the copies into fixed
 per-expert buffers for a batched GEMM. The expert-parallel dispatchers live in
 `jaxmoe.parallel.ep_dispatch`; a layout (`jaxmoe.parallel.layout`) picks one.
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
+from jaxmoe.kernels import Kernels
 from jaxmoe.model.experts import ExpertWeights, expert_ffn
 from jaxmoe.model.router import Routing
 
@@ -28,7 +30,7 @@ class Dispatched(NamedTuple):
     dropped: jax.Array  # int32: token copies that found no room (0 when dropless)
 
 
-Dispatcher = Callable[[jax.Array, Routing, ExpertWeights, MoEConfig], Dispatched]
+Dispatcher = Callable[[jax.Array, Routing, ExpertWeights, MoEConfig, Kernels | None], Dispatched]
 LOCAL_DISPATCHERS = ("dense", "grouped")
 
 
@@ -45,6 +47,13 @@ def get_dispatcher(name: str) -> Dispatcher:
 def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
     """Rows per expert buffer: factor x the uniform share, at most every token."""
     return max(1, min(num_tokens, math.ceil(factor * num_tokens * top_k / num_experts)))
+
+
+def routed_copies(expert_TxK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(expert_N, token_N) of the T * K routed copies, k-major: every token's first
+    choice ranks before any second choice, so drops fall on lower choices first."""
+    T, K = expert_TxK.shape
+    return expert_TxK.T.reshape(-1), jnp.tile(jnp.arange(T, dtype=jnp.int32), K)
 
 
 def buffer_slots(expert_N: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
@@ -87,29 +96,29 @@ def combine_rows(y_SxD: jax.Array, slot_N: jax.Array, gate_KxT: jax.Array) -> ja
     return jnp.sum(y_KxTxD * gate_KxT.astype(y_SxD.dtype)[:, :, None], axis=0)
 
 
-def dense_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> Dispatched:
+def dense_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
+                   kernels: Kernels | None = None) -> Dispatched:
     """Reference: every expert on every token, weighted by the (mostly zero) gates."""
     T, E = x_TxD.shape[0], cfg.num_experts
     gates_TxE = jnp.zeros((T, E), jnp.float32).at[
         jnp.arange(T)[:, None], routing.expert_TxK].add(routing.gate_TxK)
-    y_ExTxD = expert_ffn(w, jnp.broadcast_to(x_TxD, (E,) + x_TxD.shape), cfg)
+    y_ExTxD = expert_ffn(w, jnp.broadcast_to(x_TxD, (E,) + x_TxD.shape), cfg, kernels)
     y_TxD = jnp.einsum("etd,te->td", y_ExTxD, gates_TxE.astype(x_TxD.dtype))
     return Dispatched(y_TxD, jnp.zeros((), jnp.int32))
 
 
-def grouped_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig) -> Dispatched:
+def grouped_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
+                     kernels: Kernels | None = None) -> Dispatched:
     """Local capacity-bounded dispatch: per-expert buffers and one batched GEMM.
 
-    Copies are ranked k-major (every token's first choice before any second
-    choice), so drops fall on the lower-ranked choices first.
+    Copies arrive k-major (`routed_copies`), so drops fall on lower choices first.
     """
     T, D = x_TxD.shape
     E, K = cfg.num_experts, cfg.top_k
     C = capacity(T, K, E, cfg.capacity_factor)
-    expert_N = routing.expert_TxK.T.reshape(-1)  # k-major
-    token_N = jnp.tile(jnp.arange(T, dtype=jnp.int32), K)
+    expert_N, token_N = routed_copies(routing.expert_TxK)
     slot_N, kept_N = buffer_slots(expert_N, E, C)
     x_ExCxD = gather_rows(x_TxD, slot_N, token_N, E * C).reshape(E, C, D)
-    y_ExCxD = expert_ffn(w, x_ExCxD, cfg)
+    y_ExCxD = expert_ffn(w, x_ExCxD, cfg, kernels)
     y_TxD = combine_rows(y_ExCxD.reshape(E * C, D), slot_N, routing.gate_TxK.T)
     return Dispatched(y_TxD, jnp.sum(~kept_N).astype(jnp.int32))

@@ -11,6 +11,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import MoEConfig
+from jaxmoe.kernels import Kernels
 from jaxmoe.model.layers import param
 from jaxmoe.model.remat import EXPERT_DOWN, EXPERT_GATE_UP
 from jaxmoe.ops.mx import mx_linear
@@ -23,17 +24,22 @@ class ExpertWeights(NamedTuple):
     w_down_ExFxD: jax.Array
 
 
-def expert_ffn(w: ExpertWeights, x_ExCxD: jax.Array, cfg: MoEConfig | None = None) -> jax.Array:
+def expert_ffn(w: ExpertWeights, x_ExCxD: jax.Array, cfg: MoEConfig | None = None,
+               kernels: Kernels | None = None) -> jax.Array:
     """Grouped GEMM over per-expert row buffers: SwiGLU of each expert on its rows.
 
-    A batched matmul over equal-size buffers: on CPU this beats ragged_dot, which
-    computes every group densely there. With `moe.expert_precision: mxfp8` both
-    GEMMs take MXFP8 operands (see jaxmoe.ops.mx).
+    A batched matmul over equal-size buffers, which XLA compiles to plain GEMMs on
+    every backend and which does the buffers' work only (`lax.ragged_dot` computes
+    every group for every row on CPU and, as XLA:GPU lowers it, on GPU too). With
+    `moe.expert_precision: mxfp8` both GEMMs take MXFP8 operands (see
+    jaxmoe.ops.mx), in the target's native block-scaled GEMM where `kernels` has
+    one (None: the default device's).
     """
     dt = x_ExCxD.dtype
     if cfg is not None and cfg.expert_precision == "mxfp8":
+        kernels = Kernels.default() if kernels is None else kernels
         matmul = functools.partial(mx_linear, mxfp8_weight_grad=cfg.mxfp8_weight_grad,
-                                   scale_rule=cfg.mxfp8_scale)
+                                   scale_rule=cfg.mxfp8_scale, native=kernels.native_mxfp8)
     else:
         matmul = lambda x, w: jnp.einsum("eck,ekn->ecn", x, w.astype(dt))  # noqa: E731
     return swiglu_experts(matmul, w, x_ExCxD)

@@ -45,7 +45,8 @@ class MoE(nnx.Module):
                 out = layout.dispatch(x_TxD, routing, self.experts.weights(), cfg)
         y_TxD = out.y_TxD
         if cfg.shared_expert_hidden:
-            y_TxD = y_TxD + self.shared(x_TxD)
+            with jax.named_scope("shared_expert"):
+                y_TxD = y_TxD + self.shared(x_TxD)
         aux = {
             "balance_loss": self._balance_loss(routing, B, layout),
             "z_loss": z_loss(routing),

@@ -14,7 +14,7 @@ Names, per layer:
 - `router_logits`: fp32 router logits [T, E]. No policy saves them (the router
   matmul is small and the routing is recomputed from it cheaply).
 - `expert_gate_up`, `expert_down`: the outputs of the two expert GEMMs, for every
-  dispatcher (batched einsum, `ragged_dot` or their MXFP8 forms).
+  dispatcher (the batched einsum or its MXFP8 form).
 - `exchange_out`, `exchange_back`: the buffers an expert-parallel dispatcher
   receives: the routed rows at the expert ranks, and the expert outputs back at
   the token ranks (`allgather`: the gathered tokens, the reduce-scattered outputs).
@@ -41,7 +41,7 @@ REMAT_POLICIES = {
     "full": None,  # keep only the layer's input
     # dots without batch dimensions (projections, router, dense MLP) and the expert
     # GEMMs, which JAX's rule alone would recompute: a batched einsum has a batch
-    # dimension and ragged_dot is not a dot_general
+    # dimension
     "matmuls": _policies.save_from_both_policies(_policies.dots_with_no_batch_dims_saveable,
                                                  _policies.save_only_these_names(*_EXPERT_GEMMS)),
     # the backward redoes attention and the exchanges, not the GEMMs

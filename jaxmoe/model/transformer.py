@@ -47,7 +47,8 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxLxD, positions_BxL, layout=None, jitter_key=None):
         x_BxLxD = _constrain(x_BxLxD, layout)
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL)
+        kernels = None if layout is None else layout.kernels
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, kernels)
         x_BxLxD, aux = self.feed_forward(x_BxLxD, layout, jitter_key)
         return _constrain(x_BxLxD, layout), aux
 
@@ -58,7 +59,8 @@ class Block(nnx.Module):
         if self.use_moe:
             y, aux = self.moe(h, layout, jitter_key)
         else:
-            y, aux = self.mlp(h), {}
+            with jax.named_scope("dense_mlp"):
+                y, aux = self.mlp(h), {}
         return x_BxLxD + y, aux
 
 
@@ -172,9 +174,10 @@ class Transformer(nnx.Module):
 
     def logits(self, x_BxLxD: jax.Array, layout=None) -> jax.Array:
         """Final norm and LM head: fp32 logits [B, L, V]."""
-        x_BxLxD = self.final_norm(x_BxLxD)
-        logits = jnp.einsum("bld,dv->blv", x_BxLxD, self.head[...].astype(x_BxLxD.dtype))
-        return _constrain(logits, layout).astype(jnp.float32)
+        with jax.named_scope("lm_head"):
+            x_BxLxD = self.final_norm(x_BxLxD)
+            logits = jnp.einsum("bld,dv->blv", x_BxLxD, self.head[...].astype(x_BxLxD.dtype))
+            return _constrain(logits, layout).astype(jnp.float32)
 
     def cross_entropy(self, x_BxLxD: jax.Array, targets_BxL: jax.Array, layout=None,
                       chunk: int = 0) -> jax.Array:

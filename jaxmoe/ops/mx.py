@@ -127,40 +127,40 @@ def fake_quantize(x: jax.Array, axis: int = -1, scale_rule: ScaleRule = "ceil") 
 # ---------------------------------------------------------------- MXFP8 batched matmul
 
 
-def _native() -> bool:
-    """cuDNN's block-scaled GEMM: Blackwell GPUs (compute capability 10+) only."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and float(getattr(device, "compute_capability", 0)) >= 10
-
-
-def _quantized_operands(a_BxMxK: jax.Array, b_BxNxK: jax.Array, scale_rule: ScaleRule):
-    """What an MXFP8 GEMM reads of its operands: (elements, scales) pairs where the
-    hardware takes them natively, else the dequantised fp32 values."""
+def _quantized_operands(a_BxMxK: jax.Array, b_BxNxK: jax.Array, scale_rule: ScaleRule,
+                        native: bool):
+    """What an MXFP8 GEMM reads of its operands: (elements, scales) pairs for a native
+    block-scaled GEMM, else the dequantised fp32 values."""
     qa, qb = quantize(a_BxMxK, -1, scale_rule), quantize(b_BxNxK, -1, scale_rule)
-    if _native():
+    if native:
         return qa, qb
     return dequantize(*qa), dequantize(*qb)
 
 
-def _gemm(a, b, out_dtype) -> jax.Array:
+def _gemm(a, b, out_dtype, native: bool) -> jax.Array:
     """[B, M, K] x [B, N, K] -> [B, M, N] on `_quantized_operands`, fp32 accumulation."""
-    if _native():
+    if native:
         (qa, sa), (qb, sb) = a, b
         out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
+        # its result type forgets the mesh axes its operands vary over (inside shard_map,
+        # jax 0.10); restore them, or a custom VJP around it fails JAX's type check
+        lost = tuple(sorted((_varying(qa) | _varying(qb)) - _varying(out)))
+        out = jax.lax.pcast(out, lost, to="varying") if lost else out
     else:
         out = jnp.einsum("bmk,bnk->bmn", a, b, preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
 
 
 def mx_bmm(a_BxMxK: jax.Array, b_BxNxK: jax.Array, out_dtype,
-           scale_rule: ScaleRule = "ceil") -> jax.Array:
+           scale_rule: ScaleRule = "ceil", native: bool = False) -> jax.Array:
     """[B, M, K] x [B, N, K] -> [B, M, N], both operands MXFP8 along K, fp32 accumulation.
 
-    Native block-scaled GEMM where the backend has one; elsewhere the same
-    quantisation, dequantised, in an fp32 einsum (bit-for-bit the inputs the
-    hardware would see, so CPU runs predict GPU numerics).
+    native: the hardware's block-scaled GEMM (`jax.nn.scaled_matmul`; where the
+    target has one: `Kernels.native_mxfp8`); else the same quantisation, dequantised,
+    in an fp32 einsum (bit-for-bit the inputs the hardware would see, so CPU runs
+    predict GPU numerics).
     """
-    return _gemm(*_quantized_operands(a_BxMxK, b_BxNxK, scale_rule), out_dtype)
+    return _gemm(*_quantized_operands(a_BxMxK, b_BxNxK, scale_rule, native), out_dtype, native)
 
 
 def _varying(a: jax.Array) -> frozenset:
@@ -187,34 +187,36 @@ def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
 
 
 def mx_linear(x_ExCxK: jax.Array, w_ExKxN: jax.Array, mxfp8_weight_grad: bool = False,
-              scale_rule: ScaleRule = "ceil") -> jax.Array:
+              scale_rule: ScaleRule = "ceil", native: bool = False) -> jax.Array:
     """Per-expert x @ w with MXFP8 operands in the forward and the input gradient.
 
     Forward: x blocked along K, w along K. Input gradient dx = dy @ w^T: dy and w
     blocked along N. Weight gradient dw = x^T @ dy over the rows C: bf16 operands
     with fp32 accumulation, or MXFP8 blocked along C when `mxfp8_weight_grad`.
-    Every quantisation uses `scale_rule`.
+    Every quantisation uses `scale_rule`; every MXFP8 GEMM is native or emulated
+    as `native` says (see `mx_bmm`).
     """
     qx, qw = jax.lax.stop_gradient(
-        _quantized_operands(x_ExCxK, jnp.swapaxes(w_ExKxN, 1, 2), scale_rule))
-    return _mx_linear(x_ExCxK, w_ExKxN, qx, qw, mxfp8_weight_grad, scale_rule)
+        _quantized_operands(x_ExCxK, jnp.swapaxes(w_ExKxN, 1, 2), scale_rule, native))
+    return _mx_linear(x_ExCxK, w_ExKxN, qx, qw, mxfp8_weight_grad, scale_rule, native)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _mx_linear(x, w, qx, qw, mxfp8_weight_grad, scale_rule):
-    return _gemm(qx, qw, x.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _mx_linear(x, w, qx, qw, mxfp8_weight_grad, scale_rule, native):
+    return _gemm(qx, qw, x.dtype, native)
 
 
-def _mx_linear_fwd(x, w, qx, qw, mxfp8_weight_grad, scale_rule):
-    return _gemm(qx, qw, x.dtype), (x, w)
+def _mx_linear_fwd(x, w, qx, qw, mxfp8_weight_grad, scale_rule, native):
+    return _gemm(qx, qw, x.dtype, native), (x, w)
 
 
-def _mx_linear_bwd(mxfp8_weight_grad, scale_rule, res, dy_ExCxN):
+def _mx_linear_bwd(mxfp8_weight_grad, scale_rule, native, res, dy_ExCxN):
     x, w = res
-    dx = mx_bmm(dy_ExCxN, w, jnp.float32, scale_rule)  # contracts N: [E, C, N] x [E, K, N]
+    # contracts N: [E, C, N] x [E, K, N]
+    dx = mx_bmm(dy_ExCxN, w, jnp.float32, scale_rule, native)
     xt, dyt = jnp.swapaxes(x, 1, 2), jnp.swapaxes(dy_ExCxN, 1, 2)  # [E, K, C], [E, N, C]
     if mxfp8_weight_grad:
-        dw = mx_bmm(xt, dyt, jnp.float32, scale_rule)
+        dw = mx_bmm(xt, dyt, jnp.float32, scale_rule, native)
     else:
         dw = jnp.einsum("ekc,enc->ekn", xt.astype(jnp.bfloat16), dyt.astype(jnp.bfloat16),
                         preferred_element_type=jnp.float32)
@@ -222,39 +224,3 @@ def _mx_linear_bwd(mxfp8_weight_grad, scale_rule, res, dy_ExCxN):
 
 
 _mx_linear.defvjp(_mx_linear_fwd, _mx_linear_bwd)
-
-
-def mx_ragged_linear(x_MxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array,
-                     scale_rule: ScaleRule = "ceil") -> jax.Array:
-    """`lax.ragged_dot` (rows grouped contiguously per expert) with MXFP8 operands in the
-    forward (x and w blocked along K) and the input gradient (dy and w along N), bf16
-    weight gradients; emulated on every backend (no native block-scaled ragged GEMM
-    is exposed)."""
-    fx, fw = jax.lax.stop_gradient(
-        (fake_quantize(x_MxK, -1, scale_rule), fake_quantize(w_GxKxN, 1, scale_rule)))
-    return _mx_ragged_linear(x_MxK, w_GxKxN, group_sizes_G, fx, fw, scale_rule)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _mx_ragged_linear(x, w, group_sizes, fx, fw, scale_rule):
-    return jax.lax.ragged_dot(fx, fw, group_sizes,
-                              preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _mx_ragged_fwd(x, w, group_sizes, fx, fw, scale_rule):
-    return _mx_ragged_linear(x, w, group_sizes, fx, fw, scale_rule), (x, w, group_sizes)
-
-
-def _mx_ragged_bwd(scale_rule, res, dy_MxN):
-    x, w, group_sizes = res
-    w_GxNxK = jnp.swapaxes(fake_quantize(w, 2, scale_rule), 1, 2)
-    dx = jax.lax.ragged_dot(fake_quantize(dy_MxN, -1, scale_rule), w_GxNxK, group_sizes,
-                            preferred_element_type=jnp.float32)
-    _, weight_vjp = jax.vjp(
-        lambda w_: jax.lax.ragged_dot(x.astype(jnp.bfloat16), w_.astype(jnp.bfloat16), group_sizes,
-                                      preferred_element_type=jnp.float32), w)
-    (dw,) = weight_vjp(dy_MxN.astype(jnp.float32))
-    return _like_primal(dx, x), _like_primal(dw, w), None, None, None
-
-
-_mx_ragged_linear.defvjp(_mx_ragged_fwd, _mx_ragged_bwd)

@@ -3,10 +3,12 @@
 The training step asks a layout where every tensor lives (the rules table of
 `mesh.parallelism`, ZeRO-1, the batch split) and checks the config against the
 mesh through it. The model never sees the mesh. It takes a layout (or None:
-one device, local dispatchers) and asks it five things: pin activations to the batch split, run
-an MoE layer's dispatch, total a per-shard router statistic over the batch, run
-the stacked MoE layers (a scan, or a pipeline over `stage`), and weigh the
-loss it computed (with pipeline stages, only the last stage's output counts).
+the default device, local dispatchers) and asks it six things: which kernels
+its devices run (`kernels`: attention, MXFP8, the ragged exchange, read from the
+mesh's devices, not the host's), pin activations to the batch split, run an MoE
+layer's dispatch, total a per-shard router statistic over the batch, run the
+stacked MoE layers (a scan, or a pipeline over `stage`), and weigh the loss it
+computed (with pipeline stages, only the last stage's output counts).
 
 - `GlobalLayout`: the model sees global arrays and XLA partitions the program
   (fsdp, eval, the pure-function API with `mesh=`). Expert-parallel dispatchers
@@ -28,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmoe import sharding
 from jaxmoe.config import Config, ConfigError, MoEConfig
+from jaxmoe.kernels import Kernels
 from jaxmoe.model.dispatch import LOCAL_DISPATCHERS, Dispatched, get_dispatcher
 from jaxmoe.model.transformer import scan_layers, stored_layer_order
 from jaxmoe.parallel import ep_dispatch
@@ -43,13 +46,14 @@ def dispatch_on_mesh(x_TxD, routing, weights, cfg: MoEConfig, mesh: Mesh | None)
                              "a device mesh (got mesh=None); use 'grouped' or 'dense' without one")
         return ep_dispatch.EP_DISPATCHERS[cfg.dispatcher](x_TxD, routing, weights, cfg, mesh)
     dispatcher = get_dispatcher(cfg.dispatcher)
+    kernels = Kernels.default() if mesh is None else Kernels.of_mesh(mesh)
     if mesh is None or mesh.shape["data"] * mesh.shape["expert"] == 1:
         # one batch shard: a shard_map would only wrap the expert weights and
         # their gradients in copies at every layer
-        return dispatcher(x_TxD, routing, weights, cfg)
+        return dispatcher(x_TxD, routing, weights, cfg, kernels)
 
     def local(x, r, w):  # each device packs its own tokens
-        out = dispatcher(x, r, w, cfg)
+        out = dispatcher(x, r, w, cfg, kernels)
         return out._replace(dropped=lax.psum(out.dropped, BATCH_AXES))
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(BATCH_AXES), P(BATCH_AXES), P()),
@@ -63,6 +67,7 @@ class GlobalLayout:
         """cfg: the model's config, needed to run its MoE stack and to place the
         training state (a single MoE layer needs only the mesh)."""
         self.cfg, self.mesh = cfg, mesh
+        self.kernels = Kernels.of_mesh(mesh)  # what the mesh's devices run
         self.batch_shards = mesh.shape["data"] * mesh.shape["expert"]
 
     # -- where the training state and the batch live
@@ -127,7 +132,7 @@ class DeviceLayout(GlobalLayout):
     def __init__(self, mesh: Mesh, cfg: Config):
         super().__init__(mesh, cfg)
         if cfg.num_moe_layers:
-            ep_dispatch.prepare(cfg.moe.dispatcher, mesh)
+            ep_dispatch.prepare(cfg.moe.dispatcher, self.kernels)
         if cfg.num_moe_layers and cfg.moe.dispatcher in LOCAL_DISPATCHERS \
                 and mesh.shape["expert"] > 1:
             raise ConfigError(f"moe.dispatcher: {cfg.moe.dispatcher!r} runs every expert on "
@@ -143,9 +148,10 @@ class DeviceLayout(GlobalLayout):
 
     def dispatch(self, x_TxD, routing, weights, cfg: MoEConfig) -> Dispatched:
         if cfg.dispatcher in LOCAL_DISPATCHERS:
-            return get_dispatcher(cfg.dispatcher)(x_TxD, routing, weights, cfg)
+            return get_dispatcher(cfg.dispatcher)(x_TxD, routing, weights, cfg, self.kernels)
         return ep_dispatch.PER_DEVICE[cfg.dispatcher](
-            x_TxD, routing.expert_TxK, routing.gate_TxK, weights, cfg, self.mesh.shape["expert"])
+            x_TxD, routing.expert_TxK, routing.gate_TxK, weights, cfg, self.mesh.shape["expert"],
+            self.kernels)
 
     def ce_share(self, ce: jax.Array) -> jax.Array:
         """With pipeline stages only the last stage holds the model's output."""

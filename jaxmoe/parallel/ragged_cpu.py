@@ -8,8 +8,8 @@ range for rows outside the slice), and the receiver scatters the rows into
 `output`. The result is exact for any offsets the real op accepts, but it moves
 R x N rows per rank instead of the routed ones and scatters J x N for J slices,
 so it is for testing the ragged path on CPU (the offsets plan, the receive
-layout, `ragged_dot`, JAX's own transpose and batching rules of the primitive),
-never a fast path. GPU programs keep the real custom call: the lowering is per platform.
+layout, JAX's own transpose and batching rules of the primitive), never a fast
+path. GPU programs keep the real custom call: the lowering is per platform.
 
 It reaches into private JAX (`jax._src`): `install_cpu_lowering` is called
 explicitly where `ragged` is chosen on CPU and turns a missing name into a

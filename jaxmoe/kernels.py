@@ -1,0 +1,84 @@
+"""Which kernel each device-dependent op runs, decided from the devices its program is for.
+
+A program compiled for GPUs on a CPU host (the planner, the GPU-compile tests)
+must make the GPU's choices, so nothing here asks the host (`jax.devices()`,
+the default backend): a layout (`jaxmoe.parallel.layout`) builds `Kernels` from
+its mesh's devices (`Kernels.of_mesh`) and the model reads it from there. Only
+a caller with no mesh at all gets the default device's (`Kernels.default`),
+which is where a program without a mesh runs. The one exception is a limit
+that JAX itself checks on the tracing host (`cudnn_head_max`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from jaxmoe.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Kernels:
+    platform: str  # "cpu", "gpu" or "tpu", as `jax.Device.platform`
+    device_kind: str
+    compute_capability: tuple[int, int] | None = None  # NVIDIA GPUs only
+
+    @classmethod
+    def of(cls, devices) -> Kernels:
+        """The kernels of a program over these devices (a mesh holds one kind)."""
+        devices = list(devices)
+        kinds = {d.device_kind for d in devices}
+        if len(kinds) > 1:
+            raise ValueError(f"mesh: devices of several kinds {sorted(kinds)}; one program "
+                             "compiles for one kind")
+        d = devices[0]
+        cc = getattr(d, "compute_capability", None)
+        return cls(d.platform, d.device_kind,
+                   tuple(int(v) for v in str(cc).split(".")[:2]) if cc else None)
+
+    @classmethod
+    def of_mesh(cls, mesh) -> Kernels:
+        return cls.of(mesh.devices.flat)
+
+    @classmethod
+    def default(cls) -> Kernels:
+        """The default device's: where a program runs that is given no mesh."""
+        import jax
+        return cls.of(jax.devices()[:1])
+
+    @property
+    def cuda(self) -> bool:
+        return self.platform == "gpu" and self.compute_capability is not None
+
+    @property
+    def native_mxfp8(self) -> bool:
+        """A block-scaled MXFP8 GEMM in hardware (cuDNN's, on Blackwell: compute
+        capability 10+); elsewhere `jaxmoe.ops.mx` emulates it exactly."""
+        return self.cuda and self.compute_capability >= (10, 0)
+
+    @property
+    def native_ragged_exchange(self) -> bool:
+        """XLA has `ragged-all-to-all` on GPU; XLA:CPU lacks it (`parallel.ragged_cpu`)."""
+        return self.platform != "cpu"
+
+    def attention(self, cfg: ModelConfig) -> Literal["cudnn", "xla", "blockwise"]:
+        """cuDNN's fused flash attention on NVIDIA GPUs where it takes the inputs (16-bit,
+        a head size that is a multiple of 8 and at most `cudnn_head_max`);
+        `model.attention_block`'s online softmax when set; else XLA's, which holds the
+        L x L scores."""
+        if cfg.attention_block:
+            return "blockwise"
+        if (self.cuda and cfg.compute_dtype == "bfloat16" and cfg.head_size % 8 == 0
+                and cfg.head_size <= self.cudnn_head_max):
+            return "cudnn"
+        return "xla"
+
+    @property
+    def cudnn_head_max(self) -> int:
+        """cuDNN's flash attention takes heads up to 256 from Hopper on, 128 before. JAX
+        checks the architecture on the GPU of the process that traces, so a program
+        traced on a host without one (a deviceless compile) gets 128 whatever its target."""
+        if not (self.cuda and self.compute_capability >= (9, 0)):
+            return 128
+        import jax
+        return 256 if jax.default_backend() == "gpu" else 128
