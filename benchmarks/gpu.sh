@@ -95,6 +95,8 @@ check mxfp8_native 30
 check train 120
 # 6. the same steps with XLA's collective/compute overlap on and off: same losses
 check overlap 150
+# 7. the train check's step compiled here against XLA:GPU's deviceless plan (reported)
+check compile_memory 90
 
 if [ "$smoke" = 1 ]; then
   moe_shape=(--tokens 256 --d-model 64 --expert-hidden 64 --repeats 1)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 # `device.device_kind` in order, first match wins, so longer names come first.
 PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
     ("GB200", 2500.0, 5000.0),
+    ("B300", 2250.0, 4500.0),  # HGX B300: Blackwell Ultra's gain is in FP4, not here
     ("B200", 2250.0, 4500.0),
     ("H200", 989.0, 1979.0),
     ("H100 PCIe", 756.0, 1513.0),

@@ -1,11 +1,18 @@
-"""python -m jaxmoe.plan --config X [--mesh data=1,expert=8] [--device b300] [--json FILE]
+"""python -m jaxmoe.plan --config X [--mesh data=1,expert=8] [--target b300] [--json FILE]
 
-Proves (or refutes) that a configuration fits, without allocating the model:
-lowers and compiles the real train step against abstract inputs on fake CPU
-devices, one per device of the mesh, and reads per device from the compiled
-program: parameter, optimizer-state, gradient and activation memory and the
-peak; the bytes each kind of collective moves per step; FLOPs per step. From a
+Proves (or refutes) that a configuration fits, without allocating the model: lowers
+and compiles the real train step against abstract inputs, one device per device
+of the mesh, and reads from the compiled program, per device: parameter,
+optimizer-state, gradient and activation memory and the peak; the bytes each kind
+of collective moves per step; the FLOPs of its matrix products per named scope
+and pass, and what the expert GEMMs do against the routed rows' work. From the
 device's datasheet it predicts step time and tokens/s, printing its assumptions.
+
+--target h100|h200|b200|b300 compiles for that GPU with XLA:GPU's own compiler,
+which runs without a GPU (`jaxmoe.targets`; the `gpu-compile` extra): the program
+a GPU host would run, with nothing stood in. --target cpu (the default) compiles
+for fake CPU devices instead, with stand-ins for what XLA:CPU compiles far bigger
+than a GPU runs it (it says which), and judges the fit against --device.
 """
 
 from __future__ import annotations
@@ -15,26 +22,12 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass
 
 from jaxmoe.fake_devices import cpu_devices_env
+from jaxmoe.targets import EXTRA, TARGETS, gpu_compiler_available
 
-
-@dataclass(frozen=True)
-class Device:
-    memory: float  # bytes of device memory
-    bf16_flops: float  # dense bf16 FLOP/s (datasheet, no sparsity)
-    link: float  # bytes/s per direction on the scale-up link (NVLink)
-
-
-# Datasheet figures; a prediction is only as good as these and the MFU assumed.
-DEVICES = {
-    "b300": Device(288e9, 2.25e15, 900e9),
-    "b200": Device(180e9, 2.25e15, 900e9),
-    "h200": Device(141e9, 0.989e15, 450e9),
-    "h100": Device(80e9, 0.989e15, 450e9),
-    "a100": Device(80e9, 0.312e15, 300e9),
-}
+# expert GEMM work relative to forward: the backward pass does two GEMMs per forward one
+_PASS_WEIGHT = {"forward": 1, "backward": 2, "recompute": 1}
 
 
 def _parse_mesh(text: str | None) -> list[str]:
@@ -49,69 +42,159 @@ def _parse_mesh(text: str | None) -> list[str]:
     return out
 
 
-def plan(config_path: str, overrides: list[str], device: str, mfu: float) -> dict:
+def _cpu_stand_ins(cfg) -> tuple[list[str], list[str]]:
+    """Overrides for a CPU compile of a GPU config, and what each stands in for."""
+    overrides, notes = [], []
+    if cfg.num_moe_layers and cfg.moe.dispatcher == "ragged":
+        overrides.append("moe.dispatcher=alltoall")
+        notes.append("compiled with alltoall in place of ragged at the same capacity factor (on "
+                     "CPU ragged runs through a padded stand-in exchange that moves R x the "
+                     "rows; alltoall's buffers hold as many rows as ragged's)")
+    if not cfg.model.attention_block and cfg.train.seq_len % 512 == 0:
+        overrides.append("model.attention_block=512")
+        notes.append("attention compiled blockwise (512 x 512 score blocks) in place of the GPU's "
+                     "fused kernel: neither holds the L x L scores, as XLA:CPU's would")
+    return overrides, notes
+
+
+def routed_expert_flops(cfg) -> float:
+    """Forward FLOPs per device per step of the expert GEMMs on exactly the routed
+    copies: 6 D F per copy (gate/up 2 D 2F, down 2 F D), the device's share of the
+    batch's copies, through the MoE layers its stage holds."""
+    if not cfg.num_moe_layers:
+        return 0.0
+    m, moe, t = cfg.model, cfg.moe, cfg.train
+    batch_devices = cfg.mesh.data * cfg.mesh.expert
+    copies = t.batch_size * t.seq_len // batch_devices * moe.top_k
+    layers = cfg.num_moe_layers / max(cfg.mesh.stage, 1)
+    return 6.0 * m.d_model * moe.expert_hidden * copies * layers
+
+
+def expert_gemm_ratios(expert_flops: dict[str, float], routed_forward: float) -> dict[str, float]:
+    """Per pass: the program's expert-GEMM FLOPs over the routed rows' (backward: twice
+    the forward's); "max" is the worst pass."""
+    if not routed_forward:
+        return {}
+    ratios = {p: f / (routed_forward * _PASS_WEIGHT[p]) for p, f in expert_flops.items() if f}
+    return ratios | {"max": max(ratios.values(), default=0.0)}
+
+
+def compile_train_step(cfg, target: str | None = None, hosts: int | None = None):
+    """`cfg`'s train step compiled against abstract inputs, for `target` (None: the
+    devices this process has; a GPU's name: as many virtual ones as the mesh has, on
+    `hosts` hosts, `targets.topology`): (compiled, steps, abstract state). Nothing is
+    allocated."""
     import jax
     import jax.numpy as jnp
 
     from jaxmoe import checkpoint
-    from jaxmoe.config import flops_per_token, load_config, param_counts
-    from jaxmoe.parallel.collectives import compiled_collectives, totals
     from jaxmoe.sharding import make_mesh
-    from jaxmoe.step import build_steps, uses_per_device_step
+    from jaxmoe.step import build_steps
+    from jaxmoe.targets import compile_deviceless, virtual_devices
 
-    # what XLA:CPU cannot compile, or would compile far bigger than a GPU runs it
-    notes, stand_ins = [], []
-    cfg = load_config(config_path, overrides)
-    if cfg.moe.dispatcher == "ragged":
-        stand_ins += ["moe.dispatcher=alltoall", "moe.capacity_factor=1.0"]
-        notes.append("compiled with the alltoall dispatcher at capacity 1.0 in place of ragged "
-                     "(on CPU ragged runs through a padded stand-in exchange that moves R x the "
-                     "routed rows; alltoall moves the same tokens as ragged at uniform load)")
-    if not cfg.model.attention_block and cfg.train.seq_len % 512 == 0:
-        stand_ins.append("model.attention_block=512")
-        notes.append("attention compiled blockwise (512 x 512 score blocks) in place of the GPU's "
-                     "fused kernel: neither holds the L x L scores, as XLA:CPU's would")
-    cfg = load_config(config_path, overrides + stand_ins)
-    mesh = make_mesh(cfg.mesh)
-    steps = build_steps(cfg, mesh)
-    target = checkpoint.abstract_target(steps)
+    devices = None
+    if target is not None:
+        devices = virtual_devices(target, cfg.mesh.data * cfg.mesh.expert * cfg.mesh.stage, hosts)
+    steps = build_steps(cfg, make_mesh(cfg.mesh, devices))
+    abstract = checkpoint.abstract_target(steps)
     t = cfg.train
     batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32,
                                  sharding=steps.batch_sharding)
-    compiled = steps.train_step.lower(target, batch).compile()
+    lowered = steps.train_step.trace(abstract, batch).lower()
+    return (lowered.compile() if target is None else compile_deviceless(lowered)), steps, abstract
+
+
+def peak_bytes(memory) -> int:
+    """A compiled program's peak device memory from its `memory_analysis()`: arguments
+    and outputs (donated ones once) and temporaries."""
+    return (memory.argument_size_in_bytes + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+
+
+def scale_out_bytes(ops, mesh) -> dict[str, int]:
+    """Per kind, the bytes sent per device by collectives whose groups span hosts: an
+    upper bound on what crosses the network (a ring over two hosts sends only part of
+    its traffic between them)."""
+    host = [d.process_index for d in mesh.devices.flat]  # the program's device order
+    out = {}
+    for c in ops:
+        if c.sent_bytes and any(len({host[i] for i in g}) > 1 for g in c.groups):
+            out[c.kind] = out.get(c.kind, 0) + int(round(c.sent_bytes * c.runs))
+    return out
+
+
+def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: float) -> dict:
+    import jax
+
+    from jaxmoe.config import flops_per_token, load_config, param_counts
+    from jaxmoe.hlo import Program
+    from jaxmoe.parallel.collectives import collectives, totals
+    from jaxmoe.parallel.pipeline import bubble_fraction
+    from jaxmoe.program_flops import program_flops
+    from jaxmoe.step import uses_per_device_step
+
+    cfg = load_config(config_path, overrides)
+    notes = []
+    if target == "cpu":
+        stand_ins, notes = _cpu_stand_ins(cfg)
+        cfg = load_config(config_path, overrides + stand_ins)
+    compiled, steps, abstract = compile_train_step(cfg, None if target == "cpu" else target)
+    mesh = steps.mesh
     mem = compiled.memory_analysis()
+    program = Program(compiled.as_text())
 
     def per_device(tree) -> int:
         return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
                    for a in jax.tree.leaves(tree))
 
     n = mesh.size
-    params = per_device(target.params)
-    opt = per_device(target.opt_state)
+    params = per_device(abstract.params)
+    opt = per_device(abstract.opt_state)
     grads = params  # fp32, laid out like the master weights they update
-    peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes \
-        + mem.temp_size_in_bytes
-    traffic = totals(compiled_collectives(compiled))
+    peak = peak_bytes(mem)
+    ops = collectives(program)
+    traffic = totals(ops)
     moved = {k: t.bytes for k, t in traffic.items()}
+    across = scale_out_bytes(ops, mesh)
+    flops = program_flops(program)
+    routed = routed_expert_flops(cfg)
+    S, pipe = mesh.shape["stage"], cfg.pipeline
+    # SPMD stages compute in every iteration, bubble included: (V M + S - 1) / (V M)
+    through_bubble = 1.0 / (1.0 - bubble_fraction(S, pipe.stage_microbatches,
+                                                  pipe.virtual_stages)) if S > 1 else 1.0
+    t = cfg.train
     tokens = t.batch_size * t.seq_len
     model_flops = flops_per_token(cfg) * tokens / n
-    spec = DEVICES[device]
-    compute_s = model_flops / (spec.bf16_flops * mfu)
-    comm_s = sum(moved.values()) / spec.link
+    datasheet = TARGETS[device]
+    compute_s = model_flops / (datasheet.peak("bf16") * mfu)
+    comm_s = ((sum(moved.values()) - sum(across.values())) / datasheet.scale_up
+              + sum(across.values()) / datasheet.scale_out)
     counts = param_counts(cfg)
+    kernels = step_kernels(mesh, cfg)
     return {
-        "config": config_path, "mesh": dict(mesh.shape), "devices": n, "device": device,
-        "parallelism": cfg.mesh.parallelism, "dispatcher": cfg.moe.dispatcher,
+        "config": config_path, "target": target, "mesh": dict(mesh.shape), "devices": n,
+        "device": device, "parallelism": cfg.mesh.parallelism, "dispatcher": cfg.moe.dispatcher,
         "step_program": "per-device" if uses_per_device_step(cfg) else "auto-sharded",
+        "kernels": kernels,
         "params_total": counts.total, "params_active": counts.active,
         "bytes_per_device": {"parameters": params, "optimizer_state": opt, "gradients": grads,
                              "activations_and_temporaries": mem.temp_size_in_bytes,
                              "peak": peak},
         "collective_bytes_per_step": moved,
+        "collective_bytes_across_hosts": across,
         # ops that send anything: runs per step, and how many sit inside loops
         "collective_runs_per_step": {k: t.runs for k, t in traffic.items()},
         "collective_ops_in_loops": {k: t.ops_in_loops for k, t in traffic.items()},
         "model_flops_per_step_per_device": model_flops,
+        # matrix products of the compiled program, by named scope and pass
+        "program_flops_per_step_per_device": flops.by_scope,
+        "program_flops_total": flops.total(),
+        "unknown_kernels": flops.unknown_kernels,
+        "loops_without_trip_count": len(program.loops_without_trip_count),
+        "routed_expert_flops_forward": routed,
+        "expert_gemm_flops_ratio": expert_gemm_ratios(flops.by_scope.get("expert_gemms", {}),
+                                                      routed * through_bubble),
+        "pipeline_compute_through_bubble": through_bubble,
         "predicted": {"compute_s": compute_s, "communication_s": comm_s,
                       "step_s_no_overlap": compute_s + comm_s,
                       "step_s_full_overlap": max(compute_s, comm_s),
@@ -119,14 +202,32 @@ def plan(config_path: str, overrides: list[str], device: str, mfu: float) -> dic
                       "tokens_per_s_full_overlap": tokens / max(compute_s, comm_s),
                       "model_tflops_per_device": [model_flops / (compute_s + comm_s) / 1e12,
                                                   model_flops / max(compute_s, comm_s) / 1e12]},
-        "fits": peak <= spec.memory, "device_memory": spec.memory,
-        "assumptions": [f"{device}: {spec.memory / 1e9:.0f} GB, {spec.bf16_flops / 1e12:.0f} "
-                        f"dense bf16 TFLOP/s, {spec.link / 1e9:.0f} GB/s per direction per link",
-                        f"model FLOPs at {mfu:.0%} of peak", "every collective byte crosses the "
-                        "scale-up link once (ring costs from each op's replica groups); no "
-                        "overlap vs perfect overlap bound the step",
+        "fits": peak <= datasheet.memory, "device_memory": datasheet.memory,
+        # JAX preallocates 75% of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says more
+        "memory_fraction_needed": peak / datasheet.memory,
+        "assumptions": [f"compiled for {'fake CPU devices' if target == 'cpu' else target} "
+                        f"({'XLA:CPU' if target == 'cpu' else 'XLA:GPU, deviceless'})",
+                        f"{device}: {datasheet.memory / 1e9:.0f} GB, "
+                        f"{datasheet.peak('bf16') / 1e12:.0f} dense bf16 TFLOP/s, "
+                        f"{datasheet.scale_up / 1e9:.0f} GB/s per direction per GPU on NVLink, "
+                        f"{datasheet.scale_out / 1e9:.0f} GB/s between hosts",
+                        f"model FLOPs at {mfu:.0%} of peak", "every collective byte crosses a "
+                        "link once (ring costs from each op's replica groups), all of a "
+                        "collective whose groups span hosts the network; no overlap vs "
+                        "perfect overlap bound the step",
                         "gradients counted in fp32 at their parameters' sharding"] + notes,
     }
+
+
+def step_kernels(mesh, cfg) -> dict:
+    """The device-dependent choices the compiled step made (`jaxmoe.kernels`)."""
+    from jaxmoe.kernels import Kernels
+    k = Kernels.of_mesh(mesh)
+    ragged = cfg.num_moe_layers and cfg.moe.dispatcher == "ragged"
+    return {"device_kind": k.device_kind, "attention": k.attention(cfg.model),
+            "native_mxfp8": k.native_mxfp8 and cfg.moe.expert_precision == "mxfp8",
+            "ragged_exchange": ("native" if k.native_ragged_exchange else "cpu stand-in")
+            if ragged else "-"}
 
 
 def print_plan(p: dict) -> None:
@@ -134,12 +235,36 @@ def print_plan(p: dict) -> None:
     print(f"{p['config']}  mesh {p['mesh']}  {p['parallelism']} + {p['dispatcher']} "
           f"({p['step_program']} step)  "
           f"({p['params_total'] / 1e9:.1f}B total, {p['params_active'] / 1e9:.2f}B active)")
-    for k, v in p["bytes_per_device"].items():
-        print(f"  {k:28s} {gb(v):>12s} per device")
-    for k, v in p["collective_bytes_per_step"].items():
-        print(f"  {k + ' per step':28s} {gb(v):>12s} sent per device, "
-              f"{p['collective_runs_per_step'][k]} runs, {p['collective_ops_in_loops'][k]} ops in loops")
+    k = p["kernels"]
+    print(f"  compiled for {p['target']} ({k['device_kind']}): attention {k['attention']}, "
+          f"native MXFP8 {k['native_mxfp8']}, ragged exchange {k['ragged_exchange']}")
+    for key, v in p["bytes_per_device"].items():
+        print(f"  {key:28s} {gb(v):>12s} per device")
+    for key, v in p["collective_bytes_per_step"].items():
+        across = p["collective_bytes_across_hosts"].get(key, 0)
+        print(f"  {key + ' per step':28s} {gb(v):>12s} sent per device, "
+              f"{p['collective_runs_per_step'][key]} runs, "
+              f"{p['collective_ops_in_loops'][key]} ops in loops"
+              + (f", {gb(across)} in groups across hosts" if across else ""))
     print(f"  {'model FLOPs per step':28s} {p['model_flops_per_step_per_device']:.3e} per device")
+    print(f"  {'program FLOPs per step':28s} {p['program_flops_total']:.3e} per device "
+          "(matrix products; forward / backward / recompute):")
+    for scope, by_pass in sorted(p["program_flops_per_step_per_device"].items(),
+                                 key=lambda kv: -sum(kv[1].values())):
+        parts = " / ".join(f"{by_pass.get(x, 0.0):.2e}" for x in ("forward", "backward", "recompute"))
+        print(f"    {scope:26s} {sum(by_pass.values()):.3e}  ({parts})")
+    if p["unknown_kernels"]:
+        print(f"  kernels not counted: {p['unknown_kernels']}")
+    if p["loops_without_trip_count"]:
+        print(f"  {p['loops_without_trip_count']} loops without a known trip count, "
+              "each counted once")
+    ratio = p["expert_gemm_flops_ratio"]
+    if ratio:
+        per = ", ".join(f"{x} {v:.2f}" for x, v in ratio.items() if x != "max")
+        print(f"  expert GEMM FLOPs / routed rows' {ratio['max']:.2f}x at most ({per})")
+    if p["pipeline_compute_through_bubble"] > 1:
+        print(f"  pipeline stages compute {p['pipeline_compute_through_bubble']:.3f}x the "
+              "micro-batches' work (the bubble's iterations run too)")
     pr = p["predicted"]
     print(f"  predicted step {pr['step_s_full_overlap']:.2f}-{pr['step_s_no_overlap']:.2f} s, "
           f"{pr['tokens_per_s_no_overlap']:,.0f}-{pr['tokens_per_s_full_overlap']:,.0f} tokens/s, "
@@ -150,20 +275,31 @@ def print_plan(p: dict) -> None:
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
     print(f"{verdict}: peak {gb(p['bytes_per_device']['peak'])} of "
           f"{gb(p['device_memory'])} on a {p['device'].upper()}")
+    if p["fits"] and p["memory_fraction_needed"] > 0.75:
+        fraction = math.ceil(p["memory_fraction_needed"] * 100) / 100
+        print(f"  JAX preallocates 75% of a GPU by default: run with "
+              f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} or more")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxmoe.plan", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m jaxmoe.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--mesh", help="e.g. data=1,expert=8 (overrides the config's mesh)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--device", default="h100", choices=sorted(DEVICES))
+    parser.add_argument("--target", default="cpu", choices=["cpu", *sorted(TARGETS)],
+                        help="the compiler: a GPU (XLA:GPU, no GPU needed) or fake CPU devices")
+    parser.add_argument("--device", choices=sorted(TARGETS),
+                        help="the datasheet to judge against (default: the target; h100 for cpu)")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model-FLOPs utilisation")
     parser.add_argument("--json", help="write the plan to this file")
     args = parser.parse_args(argv)
+    if args.target != "cpu" and args.device not in (None, args.target):
+        parser.error(f"--device {args.device} with --target {args.target}: a GPU target is "
+                     "judged against its own datasheet")
+    device = args.device or (args.target if args.target != "cpu" else "h100")
     overrides = args.set + _parse_mesh(args.mesh)
 
-    # Fake CPU devices must exist before jax starts: count the mesh from the config.
     from jaxmoe.config import ConfigError, load_config
     try:
         cfg = load_config(args.config, overrides)
@@ -175,10 +311,15 @@ def main(argv: list[str] | None = None) -> int:
         print("error: mesh: the planner needs every mesh axis given (no -1); use --mesh",
               file=sys.stderr)
         return 2
+    if args.target != "cpu" and not gpu_compiler_available():
+        print(f"error: --target {args.target} needs the GPU compiler: {EXTRA}", file=sys.stderr)
+        return 2
+    # Before JAX starts: the fake CPU devices, and JAX_PLATFORMS=cpu, without which the
+    # CUDA plugin would look for a GPU rather than offer its deviceless topology.
     if "jax" not in sys.modules:
         os.environ.update(cpu_devices_env(os.environ, math.prod(sizes)))
     try:
-        result = plan(args.config, overrides, args.device, args.mfu)
+        result = plan(args.config, overrides, args.target, device, args.mfu)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

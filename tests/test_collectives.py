@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from jaxmoe.parallel.collectives import (collective_bytes, collectives, compiled_collectives,
-                                         group_size, totals)
+                                         replica_groups, totals)
 
 X = 8 * 16 * 4  # bytes of each device's f32[8, 16] block
 
@@ -91,10 +91,12 @@ ENTRY %main (x: f32[256]) -> f32[256] {
 
 
 def test_replica_group_forms_in_text():
-    assert group_size("replica_groups=[2,4]<=[8]", 8) == 4
-    assert group_size("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == 2
-    assert group_size("replica_groups={}", 8) == 8
-    assert group_size("replica_groups={{0,4},{1,5}}", 8) == 2
+    assert replica_groups("replica_groups=[2,4]<=[8]", 8) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    # the transposed iota: groups along the major axis of a [2, 4] mesh
+    assert replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == (
+        (0, 4), (1, 5), (2, 6), (3, 7))
+    assert replica_groups("replica_groups={}", 8) == (tuple(range(8)),)
+    assert replica_groups("replica_groups={{0,4},{1,5}}", 8) == ((0, 4), (1, 5))
     by_name = {c.name: c for c in collectives(HLO)}
     assert by_name["lonely"].group_size == 1 and by_name["lonely"].sent_bytes == 0
     assert by_name["lonely"].runs == 3 and by_name["lonely"].in_loop

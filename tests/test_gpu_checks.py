@@ -45,6 +45,8 @@ def test_checks_that_need_a_gpu_say_why_they_skip(monkeypatch):
     assert native.note.startswith("no native block-scaled GEMM on this device")
     overlap = _run("overlap", monkeypatch)
     assert overlap.status == "SKIPPED" and "XLA:CPU rejects" in overlap.note
+    memory = _run("compile_memory", monkeypatch)
+    assert memory.status == "SKIPPED" and memory.note.startswith("no GPU")
     # `ragged` skips only for XLA:CPU's missing collective, never for another error
     missing = RuntimeError("UNIMPLEMENTED: HLO opcode ragged-all-to-all is not supported by XLA:CPU")
     assert gc.cpu_cannot_run_ragged(missing).startswith("XLA:CPU cannot run ragged_all_to_all")
@@ -69,7 +71,7 @@ def test_main_reports_a_line_and_exits_on_failure(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv(gc.FAIL_ENV, "ragged_plan")
     assert gc.main(["ragged_plan", "--table", str(table)]) == 1
     lines = table.read_text().splitlines()
-    assert lines[0].endswith("PASS: R=8, rank 0 receives 0.75 of rows")
+    assert lines[0].endswith("PASS: R=8, C=64: rank 0's experts keep 0.28 of their 465 rows")
     assert lines[1].startswith("ragged_plan: 1 (<= 0) FAIL")
     monkeypatch.setenv(gc.FAIL_ENV, "no_such_check")  # a typo must not pass quietly
     assert gc.main(["ragged_plan"]) == 2

@@ -1,4 +1,5 @@
-"""The planner compiles the full-size 47B config on 8 fake devices, allocating nothing."""
+"""The planner compiles the full-size 47B config for 8 GPUs (XLA:GPU, no GPU) and for 8
+fake CPU devices, allocating nothing."""
 
 import json
 import subprocess
@@ -8,43 +9,89 @@ from pathlib import Path
 import jax
 import pytest
 
+from jaxmoe.config import load_config
+from jaxmoe.plan import expert_gemm_ratios, routed_expert_flops
+from jaxmoe.step import abstract_model
+
 ROOT = Path(__file__).parent.parent
+CONFIG = "configs/olmoe_8layer_e128.yaml"
+
+
+def _plan(tmp_path, *args):
+    out = tmp_path / "plan.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxmoe.plan", "--config", CONFIG, "--mesh", "data=1,expert=8",
+         *args, "--json", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    return json.loads(out.read_text()), result.stdout
+
+
+def _dense_params() -> int:
+    params = abstract_model(load_config(ROOT / CONFIG))[1]
+    return sum(x.size for p, x in jax.tree.leaves_with_path(params)
+               if "experts" not in jax.tree_util.keystr(p))
+
+
+@pytest.fixture(scope="module")
+def b300(tmp_path_factory):
+    return _plan(tmp_path_factory.mktemp("b300"), "--target", "b300")
+
+
+def test_47b_fits_a_b300_with_the_shipped_dispatcher(b300):
+    plan, stdout = b300
+    assert plan["target"] == "b300" and plan["device"] == "b300" and plan["devices"] == 8
+    assert plan["dispatcher"] == "ragged" and plan["step_program"] == "per-device"
+    assert plan["kernels"] == {"device_kind": "NVIDIA B300", "attention": "cudnn",
+                               "native_mxfp8": False, "ragged_exchange": "native"}
+    assert plan["params_total"] == pytest.approx(47e9, rel=0.02)
+    mem = plan["bytes_per_device"]
+    assert 20e9 < mem["parameters"] < 30e9  # experts resident, 16 of 128 per device
+    assert mem["optimizer_state"] == pytest.approx(2 * mem["parameters"], rel=1e-6)
+    assert mem["parameters"] + mem["optimizer_state"] <= mem["peak"] < 180e9
+    assert "FITS: peak" in stdout and plan["fits"]
+    # the expert GEMMs do capacity_factor x the routed rows' work in every pass: 16 local
+    # experts x 2,560 pooled rows (1.25 x 8 ranks x 8,192 tokens x 4 / 128) per 32,768
+    # routed copies of a device's accumulation slice
+    ratio = plan["expert_gemm_flops_ratio"]
+    assert ratio == pytest.approx({"forward": 1.25, "backward": 1.25, "recompute": 1.25,
+                                   "max": 1.25}, rel=1e-6)
+    assert plan["unknown_kernels"] == {}
+    # each gradient reduced once, outside every loop: the dense weights' fp32 gradients,
+    # replicated on the 8 expert ranks, reduce-scattered ((8 - 1) / 8 of them sent)
+    reductions = ("all-reduce", "reduce-scatter")
+    assert all(plan["collective_ops_in_loops"][k] == 0 for k in reductions)
+    sent = sum(plan["collective_bytes_per_step"][k] for k in reductions)
+    assert sent == pytest.approx(4 * _dense_params() * 7 / 8, rel=0.1)
+
+
+def test_ratio_is_the_program_over_the_routed_rows():
+    cfg = load_config(ROOT / CONFIG, ["mesh.data=1", "mesh.expert=8"])
+    # 64 x 8192 tokens over 8 devices, top-4, 7 MoE layers, 6 D F per copy
+    routed = routed_expert_flops(cfg)
+    assert routed == 6 * 4096 * 4096 * (64 * 8192 // 8 * 4) * 7
+    ratios = expert_gemm_ratios({"forward": 1.25 * routed, "backward": 2.5 * routed}, routed)
+    assert ratios == {"forward": 1.25, "backward": 1.25, "max": 1.25}
+    # a pass that does twice its share shows as the worst
+    assert expert_gemm_ratios({"forward": routed, "backward": 4 * routed}, routed)["max"] == 2
 
 
 @pytest.mark.slow
-def test_plan_47b_on_eight_devices(tmp_path):
-    out = tmp_path / "plan.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "jaxmoe.plan", "--config", "configs/olmoe_8layer_e128.yaml",
-         "--mesh", "data=1,expert=8", "--device", "b300", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    plan = json.loads(out.read_text())
-    assert plan["devices"] == 8 and plan["params_total"] == pytest.approx(47e9, rel=0.02)
-    mem = plan["bytes_per_device"]
-    # experts are resident, 16 of 128 per device: about 1/8 of the expert weights each
-    assert 20e9 < mem["parameters"] < 30e9
-    assert mem["optimizer_state"] == pytest.approx(2 * mem["parameters"], rel=1e-6)  # Adam: 2 moments
-    assert mem["peak"] >= mem["parameters"] + mem["optimizer_state"]
-    assert plan["collective_bytes_per_step"]["all-to-all"] > 0
-    assert "FITS" in result.stdout and plan["fits"]
-    # the per-device step reduces each gradient once, outside every loop: the dense
-    # weights' fp32 gradients, replicated on the 8 expert ranks, reduce-scattered
-    # ((8-1)/8 of them sent); the experts have no replica (data = 1)
-    assert plan["step_program"] == "per-device"
-    reductions = ("all-reduce", "reduce-scatter")
-    assert all(plan["collective_ops_in_loops"][k] == 0 for k in reductions)
-    from jaxmoe.config import load_config
-    from jaxmoe.step import abstract_model
-    params = abstract_model(load_config(ROOT / "configs/olmoe_8layer_e128.yaml"))[1]
-    dense = sum(x.size for p, x in jax.tree.leaves_with_path(params)
-                if "experts" not in jax.tree_util.keystr(p))
-    sent = sum(plan["collective_bytes_per_step"][k] for k in reductions)
-    assert sent == pytest.approx(4 * dense * 7 / 8, rel=0.1)
+def test_cpu_target_plans_with_stand_ins(tmp_path, b300):
+    plan, stdout = _plan(tmp_path, "--target", "cpu", "--device", "b300")
+    assert plan["target"] == "cpu" and plan["kernels"]["attention"] == "blockwise"
+    assert plan["dispatcher"] == "alltoall"  # what ragged compiles as on CPU, and says so
+    assert plan["kernels"]["ragged_exchange"] == "-"
+    assert any("in place of ragged" in a for a in plan["assumptions"])
+    assert plan["bytes_per_device"]["parameters"] == b300[0]["bytes_per_device"]["parameters"]
+    assert plan["expert_gemm_flops_ratio"]["max"] == pytest.approx(1.25, rel=1e-6)
+    assert plan["fits"]
 
 
-def test_plan_rejects_open_mesh(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "jaxmoe.plan", "--config",
-                             "configs/olmoe_8layer_e128.yaml"],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+def test_plan_rejects_bad_arguments():
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "jaxmoe.plan", "--config", CONFIG, *args],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = run()
     assert result.returncode == 2 and "no -1" in result.stderr
+    result = run("--mesh", "data=1,expert=8", "--target", "b300", "--device", "h100")
+    assert result.returncode == 2 and "--device h100 with --target b300" in result.stderr

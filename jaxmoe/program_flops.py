@@ -1,0 +1,153 @@
+"""The FLOPs a compiled program does, per named scope and pass, counted from its HLO.
+
+`cost_analysis()` returns nothing for a program compiled for a GPU without one,
+so the planner counts the matrix products itself, as the program has them:
+every `dot` (top-level, or inside a fusion such as XLA:GPU's Triton GEMMs), the
+GEMM custom calls (cuBLAS, cuBLASLt, cuDNN's block-scaled MXFP8 GEMM) and cuDNN's
+fused attention, each times its runs per step (`Program.runs`: loop trip counts).
+Elementwise work and reductions are not counted: at these shapes they are a
+fraction of a percent of the products.
+
+    dot / GEMM        2 x (output elements) x (contracted elements)
+    fused attention   forward 4 B H Lq Lk Dh (QK^T and PV), halved when causal
+                      (the kernel skips the masked half); backward 2.5 x that
+                      (QK^T again, dV, dP, dQ, dK)
+
+Each product is attributed to the first of `SCOPES` (in that order) on its op's
+name stack (the model's `jax.named_scope`s; "other" when none) and to a pass:
+"backward" under a `transpose(...)`, "recompute" where the backward re-runs a
+checkpointed forward (`rematted_computation`), else "forward". Custom calls of
+unknown kernels are listed, not guessed at. The figures are the kernels' operand
+shapes: padding a kernel adds (cuDNN's block-scaled GEMM pads rows to 128) counts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from jaxmoe.hlo import Instruction, Program, arrays
+
+# in priority order: a GEMM under dispatch/expert_gemms counts as expert_gemms
+SCOPES = ("expert_gemms", "router", "shared_expert", "dense_mlp", "attention", "lm_head",
+          "dispatch", "optimizer")
+PASSES = ("forward", "backward", "recompute")
+_GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+_BLOCK_SCALED = ("__cudnn$blockScaledDot", "__op$block_scaled_dot")
+_ATTENTION = re.compile(r"^__cudnn\$fmha\w*$")
+
+
+@dataclass
+class ProgramFlops:
+    """FLOPs per step of one device's program."""
+
+    by_scope: dict[str, dict[str, float]] = field(default_factory=dict)  # scope -> pass -> FLOPs
+    # scope -> what computed its products ("dot", or a custom call's target) -> runs
+    kernels: dict[str, dict[str, int]] = field(default_factory=dict)
+    unknown_kernels: dict[str, int] = field(default_factory=dict)  # other custom calls -> runs
+
+    def total(self, scope: str | None = None, passes: tuple[str, ...] = PASSES) -> float:
+        scopes = [scope] if scope else list(self.by_scope)
+        return sum(self.by_scope.get(s, {}).get(p, 0.0) for s in scopes for p in passes)
+
+
+def scope_of(op_name: str) -> str:
+    # a transform around a scope wraps its name: "transpose(jvp(lm_head))"
+    parts = [re.sub(r"^(?:[\w.]+\()+", "", p).rstrip(")") for p in op_name.split("/")]
+    for scope in SCOPES:
+        if scope in parts:
+            return scope
+    return "other"
+
+
+def pass_of(op_name: str) -> str:
+    if "rematted_computation" in op_name:
+        return "recompute"
+    return "backward" if "transpose(" in op_name else "forward"
+
+
+def _dims(attrs: str, key: str) -> list[int]:
+    m = re.search(rf"{key}=\{{([\d,]*)\}}", attrs)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _dot_flops(inst: Instruction, program: Program) -> float:
+    out, lhs = arrays(inst.type_text), arrays(program.type_of(inst.operands[0]))
+    if not out or not lhs:
+        return 0.0
+    contracted = math.prod(lhs[0][1][d] for d in _dims(inst.attrs, "lhs_contracting_dims"))
+    return 2.0 * math.prod(out[0][1]) * contracted
+
+
+def _backend_config(attrs: str) -> dict:
+    m = re.search(r"backend_config=(\{.*\})\s*$", attrs)
+    if not m:
+        return {}
+    try:
+        return json.loads(m.group(1))
+    except json.JSONDecodeError:
+        return {}
+
+
+def _gemm_call_flops(inst: Instruction, program: Program) -> float:
+    """cuBLAS(Lt) GEMMs: the dimension numbers are in the backend config."""
+    config = _backend_config(inst.attrs).get("gemm_backend_config", {})
+    numbers = config.get("dot_dimension_numbers", {})
+    lhs = arrays(program.type_of(inst.operands[0]))
+    out = arrays(inst.type_text)
+    if not lhs or not out:
+        return 0.0
+    contracted = math.prod(lhs[0][1][int(d)] for d in numbers.get("lhs_contracting_dimensions", []))
+    return 2.0 * math.prod(out[0][1]) * contracted
+
+
+def _block_scaled_flops(inst: Instruction, program: Program) -> float:
+    """[B, M, K] x [B, N, K] -> [B, M, N]."""
+    lhs, out = arrays(program.type_of(inst.operands[0])), arrays(inst.type_text)
+    return 2.0 * math.prod(out[0][1]) * lhs[0][1][-1] if lhs and out else 0.0
+
+
+def _attention_flops(inst: Instruction) -> float:
+    config = _backend_config(inst.attrs).get("cudnn_fmha_backend_config", {})
+    scores = [int(d) for d in config.get("intermediate_tensor_shape", {}).get("dimensions", [])]
+    out = arrays(inst.type_text)
+    if len(scores) != 4 or not out:
+        return 0.0
+    head = out[0][1][-1]  # [B, H, Lq, Dh] (the query's gradient, backward)
+    flops = 4.0 * math.prod(scores) * head
+    if "CAUSAL" in str(config.get("mask_type", "")):
+        flops /= 2
+    return flops * (2.5 if "Backward" in inst.target else 1.0)
+
+
+def program_flops(program: Program | str) -> ProgramFlops:
+    """Matrix-product FLOPs per step of `program` (one device's), by scope and pass."""
+    program = program if isinstance(program, Program) else Program(program)
+    by_scope: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    kernels: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    unknown: dict[str, int] = defaultdict(int)
+    for inst, runs, _ in program.instructions():
+        target = "dot"
+        if inst.op == "dot":
+            flops = _dot_flops(inst, program)
+        elif inst.op == "custom-call":
+            target = inst.target
+            if target in _GEMM_CALLS:
+                flops = _gemm_call_flops(inst, program)
+            elif target in _BLOCK_SCALED:
+                flops = _block_scaled_flops(inst, program)
+            elif _ATTENTION.match(target):
+                flops = _attention_flops(inst)
+            else:
+                unknown[target] += runs
+                continue
+        else:
+            continue
+        scope = scope_of(inst.op_name)
+        by_scope[scope][pass_of(inst.op_name)] += flops * runs
+        kernels[scope][target] += runs
+    return ProgramFlops({s: dict(p) for s, p in by_scope.items()},
+                        {s: dict(k) for s, k in kernels.items()}, dict(unknown))

@@ -1,0 +1,126 @@
+"""GPUs to compile for without one: specs, datasheet figures and virtual devices.
+
+The CUDA plugin of the pinned JAX carries XLA:GPU's whole compiler, and it
+compiles for a GPU that is not there: a device spec (`gpu_specs/NAME.txtpb`, a
+`GpuTargetConfigProto`) and a topology (hosts x GPUs per host) give virtual
+devices; a mesh over them and `jit(f).trace(...).lower().compile()` give the
+optimized GPU program (its HLO, its buffers) that a GPU host would run. Nothing
+is allocated and no GPU is needed, so the planner and the tests read the real
+GPU program on a CPU machine.
+
+Needs the `gpu-compile` extra (`pip install -e ".[gpu-compile]"`) and
+JAX_PLATFORMS=cpu before JAX starts (else the plugin looks for a GPU and JAX has
+no CUDA topology to offer); `python -m jaxmoe.plan` sets it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+_SPECS = Path(__file__).parent / "gpu_specs"
+EXTRA = 'pip install -e ".[gpu-compile]"'
+
+
+@dataclass(frozen=True)
+class Target:
+    """A GPU as the planner sees it; peak FLOP/s come from `jaxmoe.perf.PEAK_TFLOPS`."""
+
+    name: str  # the spec's file name, and the planner's --target
+    scale_up: float  # bytes/s per direction per GPU within a host (NVLink)
+    scale_out: float  # bytes/s per direction per GPU between hosts (its network adapter)
+    gpus_per_host: int = 8
+
+    @cached_property
+    def spec(self) -> str:
+        return (_SPECS / f"{self.name}.txtpb").read_text()
+
+    def _field(self, name: str) -> str:
+        return re.search(rf'^\s*{name}:\s*"?([^"\n]+)"?', self.spec, re.M).group(1)
+
+    @property
+    def device_kind(self) -> str:
+        """What the driver calls the device (`jax.Device.device_kind`)."""
+        return self._field("device_description_str")
+
+    @property
+    def memory(self) -> int:
+        """Bytes of device memory."""
+        return int(self._field("device_memory_size"))
+
+    @property
+    def compute_capability(self) -> str:
+        major, minor = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s*minor:\s*(\d+)",
+                                 self.spec).groups()
+        return f"{major}.{minor}"
+
+    def peak(self, precision: str = "bf16") -> float:
+        from jaxmoe.perf import table_peak
+        return table_peak(self.device_kind, precision)
+
+
+# NVLink per direction: 450 GB/s on Hopper (NVLink 4), 900 GB/s on Blackwell (NVLink 5).
+# Network: one 400 Gb/s ConnectX-7 per GPU on HGX H100, H200 and B200 systems, one
+# 800 Gb/s ConnectX-8 per GPU on HGX B300.
+TARGETS = {
+    "h100": Target("h100", 450e9, 50e9),
+    "h200": Target("h200", 450e9, 50e9),
+    "b200": Target("b200", 900e9, 50e9),
+    "b300": Target("b300", 900e9, 100e9),
+}
+
+
+def get_target(name: str) -> Target:
+    if name not in TARGETS:
+        raise ValueError(f"target: {name!r} is not one of {sorted(TARGETS)}")
+    return TARGETS[name]
+
+
+def topology(target: Target, num_devices: int, hosts: int | None = None) -> str:
+    """The plugin's "partitions x hosts x GPUs per host" for `num_devices` GPUs on
+    `hosts` hosts (None: full hosts of `gpus_per_host`, filled one after another)."""
+    if hosts is None:
+        hosts = max(1, -(-num_devices // target.gpus_per_host))
+    per = num_devices // hosts
+    if per * hosts != num_devices or per > target.gpus_per_host:
+        raise ValueError(f"target {target.name}: {num_devices} GPUs do not split into {hosts} "
+                         f"hosts of at most {target.gpus_per_host}")
+    return f"1x{hosts}x{per}"
+
+
+def gpu_compiler_available() -> bool:
+    """Whether the CUDA plugin (the GPU compiler) is installed."""
+    return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+
+
+def virtual_devices(target: Target | str, num_devices: int, hosts: int | None = None) -> list:
+    """`num_devices` virtual GPUs of `target` on `hosts` hosts (see `topology`), host by
+    host (`process_index` is the host), for a `Mesh` whose programs compile for that GPU."""
+    target = get_target(target) if isinstance(target, str) else target
+    if not gpu_compiler_available():
+        raise RuntimeError(f"compiling for {target.name} needs the GPU compiler: {EXTRA}")
+    from jax.experimental import topologies
+    try:
+        topo = topologies.get_topology_desc(
+            platform="cuda", topology=topology(target, num_devices, hosts),
+            target_config=target.spec)
+    except NotImplementedError as e:  # JAX started with the CUDA plugin as a backend
+        raise RuntimeError(f"compiling for {target.name}: JAX has no CUDA topology ({e}); set "
+                           "JAX_PLATFORMS=cpu before JAX starts") from e
+    return list(topo.devices)
+
+
+def compile_deviceless(lowered):
+    """`lowered.compile()` for a program lowered on virtual devices. A deviceless
+    executable cannot be read back from JAX's compilation cache (it has no client to
+    load into), so the cache is off for it."""
+    import jax
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)

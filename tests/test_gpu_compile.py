@@ -1,0 +1,295 @@
+"""The GPU program, compiled by XLA:GPU for 8 virtual H100s and B300s (and two hosts),
+with no GPU: what it computes, sends and calls. Each property has a companion that
+breaks it and shows the check catching the break."""
+
+import functools
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxmoe.config import config_from_dict, load_config
+from jaxmoe.hlo import Program, arrays
+from jaxmoe.model.dispatch import capacity
+from jaxmoe.model.experts import ExpertWeights, expert_ffn
+from jaxmoe.parallel.collectives import collectives
+from jaxmoe.plan import compile_train_step, expert_gemm_ratios, routed_expert_flops
+from jaxmoe.program_flops import program_flops
+from jaxmoe.targets import EXTRA, compile_deviceless, gpu_compiler_available, virtual_devices
+
+if not gpu_compiler_available():  # part of the test extra: missing is a failure, not a skip
+    pytest.fail(f"the GPU compiler is not installed: {EXTRA}", pytrace=False)
+
+E, K, R = 16, 2, 8
+BASE = {
+    # two MoE layers and nothing else: each compile takes 5-6 s here, a dense layer
+    # and a shared expert would add 2-3 (the shipped configs below have both)
+    "model": {"vocab_size": 512, "d_model": 128, "num_layers": 2, "num_heads": 4,
+              "num_kv_heads": 2, "head_dim": 32, "compute_dtype": "bfloat16"},
+    "moe": {"num_experts": E, "top_k": K, "expert_hidden": 128, "dispatcher": "ragged",
+            "capacity_factor": 1.25},
+    "mesh": {"data": 1, "expert": R},
+    "train": {"batch_size": 64, "seq_len": 64, "accumulation_steps": 2, "remat": "full"},
+}
+
+
+def _config(**sections):
+    return config_from_dict({k: {**BASE.get(k, {}), **sections.get(k, {})}
+                             for k in BASE.keys() | sections.keys()})
+
+
+def _compiled(target: str, hosts: int | None = None, **changes) -> tuple[Program, object]:
+    """(program, config) of the train step for `target`; `changes`: config keys as
+    section__key."""
+    sections = {}
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        sections.setdefault(section, {})[key] = value
+    cfg = _config(**sections)
+    return _compile(target, hosts, cfg), cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(target: str, hosts: int | None, cfg) -> Program:
+    """Each (target, hosts, config) compiled once per module."""
+    compiled, steps, _ = compile_train_step(cfg, target, hosts)
+    program = Program(compiled.as_text())
+    program.mesh = steps.mesh
+    return program
+
+
+def _expert_ratio(program: Program, cfg) -> float:
+    flops = program_flops(program).by_scope["expert_gemms"]
+    return expert_gemm_ratios(flops, routed_expert_flops(cfg))["max"]
+
+
+# ------------------------------------------------------------------ expert GEMM work
+
+
+# a device's routed copies per accumulation slice, and the local experts
+N = BASE["train"]["batch_size"] * BASE["train"]["seq_len"] // R // 2 * K
+El = E // R
+
+
+def _buffer_rows(dispatcher: str, factor: float) -> int:
+    """Rows of a device's expert buffers: per (source, expert) for `alltoall`, pooled
+    over the group for `ragged` and `allgather`."""
+    Tl = N // K
+    if dispatcher == "alltoall":
+        return El * R * capacity(Tl, K, E, factor)
+    return El * capacity(R * Tl, K, E, factor)
+
+
+def _rows_x_experts_x_D_buffers(program: Program) -> list[str]:
+    """Arrays of at least (ranks x rows) x local experts x D elements: what a GEMM that
+    runs every received row of the group through every local expert holds."""
+    return [inst.name for inst, _, _ in program.instructions()
+            if any(math.prod(dims) >= R * N * El * 128 for _, dims in arrays(inst.type_text))]
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "ragged"])
+def test_expert_gemms_do_the_routed_work(dispatcher):
+    program, cfg = _compiled("h100", moe__dispatcher=dispatcher)
+    # the buffers' rows over the routed rows, in every pass: 1.25 at these shapes
+    assert _buffer_rows(dispatcher, 1.25) / N == 1.25
+    assert _expert_ratio(program, cfg) == pytest.approx(1.25, rel=1e-6)
+    assert _rows_x_experts_x_D_buffers(program) == []
+
+
+def test_the_ratio_sees_the_buffers():
+    """Companion: doubling the buffers doubles the counted expert GEMM work."""
+    program, cfg = _compiled("h100", moe__capacity_factor=2.5)
+    assert _buffer_rows("ragged", 2.5) == 2 * _buffer_rows("ragged", 1.25)
+    assert _expert_ratio(program, cfg) == pytest.approx(2.5, rel=1e-6)
+
+
+def test_ragged_dot_as_xla_lowers_it_fails_both_checks():
+    """Companion: `lax.ragged_dot` over the group's received rows (R N, the old receive
+    buffer) and the El local experts, at the train step's shapes, compiles for the GPU
+    to a masked copy of every row per expert and a dense dot over all of them: El x the
+    FLOPs and an (R N) x El x D buffer, which both checks above catch."""
+    M, D, F = R * N, 128, 256
+
+    def gemm(x, w, sizes):
+        with jax.named_scope("expert_gemms"):
+            return jax.lax.ragged_dot(x, w, sizes)
+
+    program = _gpu_program("h100", gemm, ((M, D), jnp.bfloat16), ((El, D, F), jnp.bfloat16),
+                           ((El,), jnp.int32))
+    flops = program_flops(program).total("expert_gemms")
+    assert flops == pytest.approx(El * 2 * M * D * F, rel=1e-6)  # El x the rows' work
+    assert _rows_x_experts_x_D_buffers(program)
+
+
+# ------------------------------------------------------------------ exchange and reductions
+
+
+def _float_all_to_alls(program: Program) -> list[str]:
+    """All-to-alls moving floating-point rows: the CPU stand-in's padded exchange."""
+    return [inst.name for inst, _, _ in program.instructions()
+            if inst.op.removesuffix("-start") == "all-to-all"
+            and any(dt.startswith(("f", "bf")) for o in inst.operands
+                    for dt, _ in arrays(program.type_of(o)))]
+
+
+def test_ragged_program_exchanges_with_the_real_op():
+    program, _ = _compiled("h100")
+    ops = {inst.op for inst, _, _ in program.instructions()}
+    assert {"ragged-all-to-all", "ragged-all-to-all-start"} & ops
+    assert _float_all_to_alls(program) == []
+    # companion: the alltoall dispatcher's exchange is such an all-to-all, and is caught
+    assert _float_all_to_alls(_compiled("h100", moe__dispatcher="alltoall")[0])
+
+
+def _reductions(program: Program) -> list[tuple[str, int, int, bool]]:
+    """(kind, operand bytes, runs, in a loop) of every gradient-sized reduction."""
+    return sorted((c.kind, c.operand_bytes, c.runs, c.in_loop) for c in collectives(program)
+                  if c.kind in ("all-reduce", "reduce-scatter") and c.sent_bytes > 0
+                  and c.operand_bytes > 4096)
+
+
+def test_ddp_reduces_each_gradient_once_outside_every_loop():
+    by_steps = {2: _reductions(_compiled("h100")[0]),
+                8: _reductions(_compiled("h100", train__accumulation_steps=8)[0])}
+    assert by_steps[2] and not any(in_loop for *_, in_loop in by_steps[2])
+    assert all(runs == 1 for _, _, runs, _ in by_steps[2])
+    assert by_steps[2] == by_steps[8]  # the same reductions, whatever the accumulation
+    # companion: the auto-sharded fsdp step reduces inside its accumulation loop
+    fsdp = _reductions(_compiled("h100", mesh__parallelism="fsdp")[0])
+    assert any(in_loop for *_, in_loop in fsdp)
+
+
+def _host_traffic(program: Program) -> list[str]:
+    """Ops that wait on or talk to the host: callbacks, send/recv, in/outfeed."""
+    return [inst.name for inst, _, _ in program.instructions()
+            if inst.op in ("send", "recv", "send-done", "recv-done", "infeed", "outfeed")
+            or "callback" in inst.target]
+
+
+def test_no_host_traffic_inside_the_step():
+    assert _host_traffic(_compiled("h100")[0]) == []
+    assert _host_traffic(_compiled("b300", moe__expert_precision="mxfp8")[0]) == []
+    # companion: a debug print is a host callback, and is caught (compiled for this
+    # host: a callback needs a live device to be lowered)
+    def f(x):
+        jax.debug.print("{}", x.sum())
+        return x * 2
+
+    assert _host_traffic(Program(jax.jit(f).lower(jnp.ones(8)).compile().as_text()))
+
+
+# ------------------------------------------------------------------ kernels for the target
+
+
+def _block_scaled_calls(program: Program) -> list:
+    return [inst for inst, _, _ in program.instructions()
+            if inst.target == "__cudnn$blockScaledDot" and "expert_gemms" in inst.op_name]
+
+
+def _gpu_program(target: str, f, *shapes) -> Program:
+    """`f` compiled for one virtual `target` GPU, on abstract arguments (shape, dtype)."""
+    rep = NamedSharding(Mesh(virtual_devices(target, 1), ("x",)), P())
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=rep) for shape, dtype in shapes]
+    return Program(compile_deviceless(jax.jit(f).trace(*args).lower()).as_text())
+
+
+def test_b300_expert_gemms_are_native_mxfp8():
+    program, _ = _compiled("b300", moe__expert_precision="mxfp8")
+    calls = _block_scaled_calls(program)
+    assert calls
+    for inst in calls:  # e4m3 elements and e8m0 block scales, straight into the GEMM
+        lhs, rhs, lhs_scales, rhs_scales = (arrays(program.type_of(o))[0] for o in inst.operands)
+        assert lhs[0] == rhs[0] == "f8e4m3fn"
+        assert lhs_scales[0] == rhs_scales[0] == "f8e8m0fnu"
+        assert lhs_scales[1][-1] * 32 == lhs[1][-1]  # one scale per 32 values
+    # companion: on an H100 (no block-scaled GEMM) the expert GEMM emulates MXFP8, and
+    # the check finds no native call
+    cfg = _config(moe={"expert_precision": "mxfp8"}).moe
+    from jaxmoe.kernels import Kernels
+    h100 = Kernels.of(virtual_devices("h100", 1))
+    assert not h100.native_mxfp8 and Kernels.of(virtual_devices("b300", 1)).native_mxfp8
+
+    def experts(x, w1, w2):
+        return expert_ffn(ExpertWeights(w1, w2), x, cfg, h100)
+
+    emulated = _gpu_program("h100", experts, ((2, 64, 128), jnp.bfloat16),
+                            ((2, 128, 256), jnp.float32), ((2, 128, 128), jnp.float32))
+    assert program_flops(emulated).total("expert_gemms") > 0 and _block_scaled_calls(emulated) == []
+
+
+def _score_buffers(program: Program, L: int) -> list[str]:
+    """Arrays of attention scores, [..., L, L], that the attention scope materialises."""
+    return [inst.name for inst, _, _ in program.instructions()
+            if "attention" in inst.op_name
+            and any(dims[-2:] == (L, L) for _, dims in arrays(inst.type_text))]
+
+
+def test_attention_is_cudnn_flash_attention():
+    L = BASE["train"]["seq_len"]
+    for program, _ in (_compiled("h100"), _compiled("b300", moe__expert_precision="mxfp8")):
+        kernels = program_flops(program).kernels["attention"]
+        assert kernels.get("__cudnn$fmhaSoftmax") and kernels.get("__cudnn$fmhaSoftmaxBackward")
+        assert _score_buffers(program, L) == []
+    # companion: XLA's attention (what fp32 compute gets: cuDNN's kernel takes 16-bit
+    # inputs only) holds [B, H, L, L] scores, and the check finds them
+    from jaxmoe.kernels import Kernels
+    h100 = Kernels.of(virtual_devices("h100", 1))
+    assert h100.attention(_config(model={"compute_dtype": "float32"}).model) == "xla"
+    # heads past 128: JAX checks cuDNN's limit against the tracing host's GPU, so a
+    # deviceless compile (no GPU here) must not ask for it
+    assert h100.attention(_config(model={"head_dim": 256}).model) == "xla"
+
+    def attention(q, k, v):
+        with jax.named_scope("attention"):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    q = ((2, L, 4, 32), jnp.float32)
+    assert _score_buffers(_gpu_program("h100", attention, q, q, q), L)
+
+
+# ------------------------------------------------------------------ two hosts
+
+
+def _cross_host_exchanges(program: Program) -> int:
+    """All-to-alls whose replica groups span hosts (their traffic leaves NVLink)."""
+    hosts = [d.process_index for d in program.mesh.devices.flat]  # partition i: device i
+    return sum(any(len({hosts[i] for i in group}) > 1 for group in c.groups)
+               for c in collectives(program) if c.kind == "all-to-all" and c.sent_bytes > 0)
+
+
+def test_two_hosts_keep_the_expert_exchange_on_each_host():
+    """8 B300s on 2 hosts of 4: data 2 x expert 4 puts each expert group on one host."""
+    program, cfg = _compiled("b300", hosts=2, mesh__data=2, mesh__expert=4)
+    assert {d.process_index for d in program.mesh.devices.flat} == {0, 1}
+    assert _cross_host_exchanges(program) == 0
+    assert _expert_ratio(program, cfg) == pytest.approx(1.25, rel=1e-6)
+    # companion: an expert group of all 8 devices spans both hosts, and is caught
+    program, _ = _compiled("b300", hosts=2, mesh__data=1, mesh__expert=8)
+    assert _cross_host_exchanges(program) > 0
+
+
+# ------------------------------------------------------------------ the shipped GPU configs
+
+TOY_WIDTHS = ["model.d_model=128", "model.num_heads=4", "model.num_kv_heads=2",
+              "model.head_dim=32", "model.mlp_hidden=256", "moe.expert_hidden=128",
+              "moe.shared_expert_hidden=128", "train.seq_len=64"]
+
+
+@pytest.mark.parametrize("name", ["gpu1_small", "olmoe_8layer_e8"])
+def test_shipped_gpu_configs_compile_for_an_h100(name):
+    """As shipped (dispatcher, precision, remat, batch, layers), at toy widths: the
+    one-GPU config, and the 8-layer family at 8 experts (one per device); e32 and e64
+    are the family between it and e128, which test_plan compiles at full size (and
+    the README test the 1.2T config at toy widths)."""
+    path = Path(__file__).parent.parent / "configs" / f"{name}.yaml"
+    cfg = load_config(path, TOY_WIDTHS + ["mesh.data=1"])
+    program = _compile("h100", None, cfg)
+    kernels = program_flops(program).kernels
+    assert "__cudnn$fmhaSoftmax" in kernels["attention"]
+    # the configs' capacity factor (the default 1.25), which divides evenly here: e8's
+    # one expert per device holds 1.25 x 8 ranks x 64 tokens x 4 / 8 = 320 rows for
+    # its 256 copies
+    assert _expert_ratio(program, cfg) == pytest.approx(cfg.moe.capacity_factor, rel=1e-6)

@@ -1,0 +1,116 @@
+"""FLOPs counted from HLO text, against products worked out by hand: every kind of
+matrix product the GPU programs hold (fused dots, cuBLAS calls, cuDNN's block-scaled
+GEMM and fused attention), loops with and without trip counts, and both branches of
+a conditional. The instruction lines are XLA:GPU's, as it printed them (attributes
+that do not matter here left out)."""
+
+import pytest
+
+from jaxmoe.hlo import Program
+from jaxmoe.program_flops import pass_of, program_flops, scope_of
+
+HLO = """HloModule jit_step, num_partitions=1
+
+%fused_dot (p0: bf16[64,32], p1: bf16[32,16]) -> bf16[64,16] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %p1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp()/while/body/closed_call/dispatch/expert_gemms/ecd,edf->ecf/dot_general"}
+}
+
+%body (loop: (s32[], bf16[64,32])) -> (s32[], bf16[64,32]) {
+  %loop = (s32[], bf16[64,32]) parameter(0)
+  %i = s32[] get-tuple-element(%loop), index=0
+  %x = bf16[64,32]{1,0} get-tuple-element(%loop), index=1
+  %w = bf16[32,16]{1,0} constant({...})
+  %a = bf16[4,128,256]{2,1,0} constant({...})
+  %b = bf16[4,256,64]{2,1,0} constant({...})
+  %fusion.1 = bf16[64,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
+  %custom-call.1 = (bf16[4,128,64]{2,1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step)/transpose(jvp())/while/body/closed_call/dense_mlp/bmk,bkn->bmn/dot_general"}, backend_config={"operation_queue_id":"0","gemm_backend_config":{"selected_algorithm":"0","alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0"],"rhs_batch_dimensions":["0"]},"alpha_imag":0,"epilogue":"DEFAULT"},"force_earliest_schedule":false}
+  ROOT %t = (s32[], bf16[64,32]) tuple(%i, %x)
+}
+
+%cond (c: (s32[], bf16[64,32])) -> pred[] {
+  %c = (s32[], bf16[64,32]) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+%unknown_body (u: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %u = (s32[], f32[8,8]) parameter(0)
+  %y = f32[8,8]{1,0} get-tuple-element(%u), index=1
+  %dot.2 = f32[8,8]{1,0} dot(%y, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp()/router/dot_general"}
+  %j = s32[] get-tuple-element(%u), index=0
+  ROOT %v = (s32[], f32[8,8]) tuple(%j, %dot.2)
+}
+
+%branch_a (ba: f32[8,8]) -> f32[8,8] {
+  %ba = f32[8,8]{1,0} parameter(0)
+  ROOT %dot.3 = f32[8,8]{1,0} dot(%ba, %ba), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/transpose(jvp())/checkpoint/rematted_computation/lm_head/dot_general"}
+}
+
+%branch_b (bb: f32[8,8]) -> f32[8,8] {
+  %bb = f32[8,8]{1,0} parameter(0)
+  ROOT %neg = f32[8,8]{1,0} negate(%bb)
+}
+
+ENTRY %main (x0: bf16[64,32], y0: f32[8,8], q: bf16[2,256,8,64], k: bf16[2,256,2,64], lhs: f8e4m3fn[4,128,256], rhs: f8e4m3fn[4,64,256], ls: f8e8m0fnu[4,128,8], rs: f8e8m0fnu[4,64,8], s: s32[]) -> f32[8,8] {
+  %x0 = bf16[64,32]{1,0} parameter(0)
+  %y0 = f32[8,8]{1,0} parameter(1)
+  %q = bf16[2,256,8,64]{3,2,1,0} parameter(2)
+  %k = bf16[2,256,2,64]{3,2,1,0} parameter(3)
+  %lhs = f8e4m3fn[4,128,256]{2,1,0} parameter(4)
+  %rhs = f8e4m3fn[4,64,256]{2,1,0} parameter(5)
+  %ls = f8e8m0fnu[4,128,8]{2,1,0} parameter(6)
+  %rs = f8e8m0fnu[4,64,8]{2,1,0} parameter(7)
+  %s = s32[] parameter(8)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[64,32]) tuple(%zero, %x0)
+  %while.1 = (s32[], bf16[64,32]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %init2 = (s32[], f32[8,8]) tuple(%zero, %y0)
+  %while.2 = (s32[], f32[8,8]) while(%init2), condition=%cond, body=%unknown_body
+  %conditional.1 = f32[8,8]{1,0} conditional(%s, %y0, %y0), branch_computations={%branch_a, %branch_b}
+  %fmha = (bf16[2,8,256,64]{3,1,2,0}, f32[2,8,256]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %k), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(step)/jvp()/attention/dot_product_attention_fwd"}, backend_config={"operation_queue_id": "0", "cudnn_fmha_backend_config": {"fmha_scale": 0.125, "intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "8", "256", "256"]}, "is_flash_attention": true, "mask_type": "CAUSAL"}}
+  %fmha_bwd = (bf16[2,8,256,64]{3,1,2,0}, bf16[2,2,256,64]{3,1,2,0}, bf16[2,2,256,64]{3,1,2,0}, u8[0]{0}) custom-call(%q, %k, %k), custom_call_target="__cudnn$fmhaSoftmaxBackward", metadata={op_name="jit(step)/transpose(jvp())/attention/dot_product_attention_bwd"}, backend_config={"operation_queue_id": "0", "cudnn_fmha_backend_config": {"fmha_scale": 0.125, "intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "8", "256", "256"]}, "is_flash_attention": true, "mask_type": "CAUSAL"}}
+  %scaled = (f32[4,128,64]{2,1,0}, u8[0]{0}) custom-call(%lhs, %rhs, %ls, %rs), custom_call_target="__cudnn$blockScaledDot", metadata={op_name="jit(step)/jvp()/dispatch/expert_gemms/scaled_matmul"}
+  %mystery = f32[8]{0} custom-call(%y0), custom_call_target="some_kernel", metadata={op_name="jit(step)/other"}
+  ROOT %out = f32[8,8]{1,0} get-tuple-element(%while.2), index=1
+}
+"""
+
+
+def test_every_product_kind_by_hand():
+    program = Program(HLO)
+    flops = program_flops(program)
+    by = flops.by_scope
+    # the fused dot: [64, 32] x [32, 16], 3 trips
+    fused = 3 * 2 * 64 * 16 * 32
+    # the block-scaled GEMM: [4, 128, 256] x [4, 64, 256] -> [4, 128, 64]
+    assert by["expert_gemms"] == {"forward": fused + 2 * 4 * 128 * 64 * 256}
+    # cuBLASLt, batched: [4, 128, 256] x [4, 256, 64], 3 trips, in the backward pass
+    assert by["dense_mlp"] == {"backward": 3 * 2 * 4 * 128 * 64 * 256}
+    # causal attention: forward 4 B H Lq Lk Dh / 2, backward 2.5 x that
+    attention = 4 * 2 * 8 * 256 * 256 * 64 / 2
+    assert by["attention"] == {"forward": attention, "backward": 2.5 * attention}
+    # a loop without a trip count counts once, and is named
+    assert by["router"] == {"forward": 2 * 8 * 8 * 8}
+    assert program.loops_without_trip_count == ["while.2"]
+    # both branches of the conditional count (an upper bound): the dot in one of them
+    assert by["lm_head"] == {"recompute": 2 * 8 * 8 * 8}
+    assert flops.unknown_kernels == {"some_kernel": 1}
+    assert flops.kernels["expert_gemms"] == {"dot": 3, "__cudnn$blockScaledDot": 1}
+    # teeth: the same text with the trip count changed changes the count
+    four = program_flops(HLO.replace('"n":"3"', '"n":"4"')).by_scope
+    assert four["dense_mlp"]["backward"] == pytest.approx(by["dense_mlp"]["backward"] * 4 / 3)
+
+
+@pytest.mark.parametrize("op_name, scope, pass_", [
+    ("jit(local_step)/shard_map/transpose(jvp(lm_head))/bld,dv->blv/dot_general", "lm_head",
+     "backward"),
+    ("a/jvp()/while/body/closed_call/dispatch/expert_gemms/ragged_dot_general", "expert_gemms",
+     "forward"),
+    ("a/transpose(jvp())/checkpoint/rematted_computation/attention/dot_general", "attention",
+     "recompute"),
+    ("jit(step)/dispatch/etd,te->td/dot_general", "dispatch", "forward"),
+    ("", "other", "forward"),
+])
+def test_scope_and_pass_from_the_name_stack(op_name, scope, pass_):
+    assert scope_of(op_name) == scope and pass_of(op_name) == pass_
