@@ -155,24 +155,31 @@ def moe_layer_params(params: Params, config: Config, layer: int) -> Params:
     return jax.tree.map(lambda a: a[stored], params["moe_layers"]["moe"])
 
 
-def local_config(config: Config) -> Config:
-    """The same model on one device, layers in model order: expert-parallel
-    dispatchers become `grouped` (the same capacity factor, over the call's tokens)."""
+def local_config(config: Config, dropless: bool = True) -> Config:
+    """The same model on one device, layers in model order, with local MoE dispatch:
+    dropless by default (`grouped` with room for every copy, E / K x the uniform
+    share, so a token's output never depends on the others in its batch);
+    `dropless=False` keeps the training capacity factor (and its drops)."""
     overrides = ["mesh.data=1", "mesh.expert=1", "mesh.stage=1", "pipeline.schedule=gpipe",
                  "pipeline.virtual_stages=1", "pipeline.stage_microbatches=1"]
-    if config.moe.dispatcher not in LOCAL_DISPATCHERS:
+    if config.num_moe_layers and (dropless or config.moe.dispatcher not in LOCAL_DISPATCHERS):
         overrides.append("moe.dispatcher=grouped")
+    if config.num_moe_layers and dropless:
+        overrides.append(f"moe.capacity_factor={config.moe.num_experts / config.moe.top_k}")
     return config_from_dict(config.to_dict(), overrides)
 
 
-def load_params(path: str | Path, step: int | None = None) -> tuple[Params, Config]:
+def load_params(path: str | Path, step: int | None = None,
+                dropless: bool = True) -> tuple[Params, Config]:
     """Parameters (with router biases) and config of a training checkpoint.
 
     `path`: a run directory, its checkpoints/ directory, or one step's directory;
     the latest step unless `step` (or a step directory) says otherwise. The
-    returned config is `local_config` of the saved one, and MoE layers are in
-    model order, so `apply(params, tokens, config)` runs as is.
+    returned config is `local_config(saved, dropless)`, and MoE layers are in
+    model order, so `apply(params, tokens, config)` runs as is: dropless, as
+    `generate` and `jaxmoe.load_hf` are, unless `dropless=False` asks for the
+    training capacity.
     """
     directory, found = checkpoint.locate(path)
     weights, saved = checkpoint.restore_weights(directory, found if step is None else step)
-    return jax.device_get(weights.to_pure_dict()), local_config(saved)
+    return jax.device_get(weights.to_pure_dict()), local_config(saved, dropless)

@@ -28,19 +28,10 @@ from absl import logging as absl_logging
 
 from jaxmoe import api, checkpoint
 from jaxmoe.checkpoint import CheckpointError
-from jaxmoe.config import Config, override_config
+from jaxmoe.config import Config
 from jaxmoe.model import kv_cache
 from jaxmoe.sampling import sample
 from jaxmoe.tokenizer import BYTE_TOKENIZER, RUN_SUBDIR, Tokenizer, TokenizerError, load_tokenizer
-
-
-def inference_config(config: Config) -> Config:
-    """The config with dropless local MoE dispatch: `grouped` with buffers that
-    hold every token."""
-    if not config.num_moe_layers:
-        return config
-    factor = config.moe.num_experts / config.moe.top_k
-    return override_config(config, ["moe.dispatcher=grouped", f"moe.capacity_factor={factor}"])
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_new_tokens"))
@@ -93,7 +84,7 @@ def generate(params: api.Params, prompt_BxP: jax.Array, config: Config, *, key: 
     first_B = np.zeros(B, np.int32) if first_B is None else np.asarray(first_B, np.int32)
     if first_B.shape != (B,) or first_B.min() < 0 or first_B.max() >= P:
         raise ValueError(f"first_B: need one start per row in [0, {P}), got {first_B.tolist()}")
-    config = inference_config(config)
+    config = api.local_config(config)
     api.check_params(params, config)
     tokens_BxN, _ = _generate(params, jnp.asarray(prompt_BxP, jnp.int32), jnp.asarray(first_B),
                               jnp.int32(-1 if eos_id is None else eos_id), key,

@@ -162,7 +162,11 @@ def test_moe_layer_in_a_user_model_trains():
 
 def test_load_params_from_training_checkpoint(tiny_run):
     params, cfg = jaxmoe.load_params(tiny_run)
-    assert cfg.moe.dispatcher == "dense" and cfg.train.steps == 4
+    # dropless by default; the run's own dispatcher and capacity one argument away
+    assert cfg.moe.dispatcher == "grouped" and cfg.moe.capacity_factor == 4 / 2
+    assert cfg.train.steps == 4
+    _, trained = jaxmoe.load_params(tiny_run, dropless=False)
+    assert trained.moe.dispatcher == "dense" and trained.moe.capacity_factor == 1.25
     # the job's final held-out loss, recomputed from the loaded parameters
     corpus = load_corpus("stdlib", None, 256, cfg.train.seq_len)
     batches = heldout_batches(corpus.heldout, cfg.train.batch_size, cfg.train.seq_len,
@@ -181,6 +185,32 @@ def test_load_params_from_training_checkpoint(tiny_run):
     assert y.shape == (1, 3, 32)
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         jaxmoe.load_params(tiny_run / "nowhere")
+
+
+def test_local_config_is_dropless_unless_asked(model_and_params):
+    """CFG's `grouped` at capacity 1.0 drops copies; the local config holds them all,
+    as the dense reference computes, and keeps the training capacity on request."""
+    _, params = model_and_params
+    tokens = _tokens((4, 24))
+    dense, _ = jaxmoe.apply(params, tokens, jaxmoe.config_from_dict(
+        CFG.to_dict(), ["moe.dispatcher=dense"]))
+    local = jaxmoe.api.local_config(CFG)
+    assert local.moe.dispatcher == "grouped" and local.moe.capacity_factor == 4 / 2
+    y, aux = jaxmoe.apply(params, tokens, local)
+    assert int(aux["dropped"].sum()) == 0
+    close(y, dense)
+    trained = jaxmoe.api.local_config(CFG, dropless=False)
+    assert trained.moe.capacity_factor == 1.0
+    y_trained, aux = jaxmoe.apply(params, tokens, trained)
+    assert int(aux["dropped"].sum()) > 0 and np.abs(y_trained - dense).max() > 1e-3
+
+
+def test_top_level_names():
+    from jaxmoe.hf import load_hf
+    assert jaxmoe.load_hf is load_hf
+    assert jaxmoe.hf.load_hf is load_hf and jaxmoe.plan.main  # submodules on first use
+    with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
+        jaxmoe.nonesuch
 
 
 def test_load_params_from_a_padded_circular_pipeline(tmp_path):

@@ -11,7 +11,8 @@ import pytest
 
 import jaxmoe
 from jaxmoe import api
-from jaxmoe.generate import _generate, encode_prompts, generate, inference_config, main
+from jaxmoe.api import local_config
+from jaxmoe.generate import _generate, encode_prompts, generate, main
 from jaxmoe.model import kv_cache
 from jaxmoe.sampling import filter_logits
 from jaxmoe.tokenizer import BYTE_TOKENIZER
@@ -30,9 +31,9 @@ def params():
 
 
 def test_kv_cache_equals_full_recompute(params):
-    """Exact under dropless dispatch (inference_config); capacity drops would make a
+    """Exact under dropless dispatch (local_config); capacity drops would make a
     token's output depend on how many tokens share the call."""
-    cfg = inference_config(CFG)
+    cfg = local_config(CFG)
     tokens_BxL = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
     full_BxLxV, _ = jaxmoe.apply(params, tokens_BxL, cfg)
 
@@ -63,7 +64,7 @@ def test_greedy_generation_equals_argmax_of_full_recompute(params):
                               temperature=0.0))
     tokens = np.asarray(prompt_BxP)
     for _ in range(8):
-        logits, _ = jaxmoe.apply(params, tokens, inference_config(CFG))
+        logits, _ = jaxmoe.apply(params, tokens, local_config(CFG))
         tokens = np.concatenate([tokens, np.argmax(logits[:, -1], -1)[:, None]], axis=1)
     np.testing.assert_array_equal(got, tokens[:, 5:])
 
@@ -96,7 +97,7 @@ def test_rows_stop_at_eos(params):
     assert (stopped[3:] == eos).all() and (free[3:] != eos).any()
     _, decoded = _generate(params, jnp.asarray(prompt), jnp.zeros(1, jnp.int32), jnp.int32(eos),
                            jax.random.key(0), jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0),
-                           inference_config(CFG), 8)
+                           local_config(CFG), 8)
     assert int(decoded) == 3  # the loop ended at the EOS, not after 8 tokens
 
 

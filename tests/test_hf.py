@@ -139,7 +139,7 @@ TRAINED = {
 def test_a_trained_model_exports_to_transformers_with_the_same_text(family, tmp_path):
     from jaxmoe.data import load_corpus
     from jaxmoe.export import main as export_main
-    from jaxmoe.generate import generate, inference_config
+    from jaxmoe.generate import generate
     from jaxmoe.train import train
 
     qk_norm, moe = TRAINED[family]
@@ -161,7 +161,7 @@ def test_a_trained_model_exports_to_transformers_with_the_same_text(family, tmp_
     tokens = np.frombuffer(b"\x00def f(x):\n    return", np.uint8).astype(np.int64)[None]
     vocab = saved.model.vocab_size
     want = _logits(model, tokens)
-    got, _ = jaxmoe.apply(params, tokens, inference_config(saved))
+    got, _ = jaxmoe.apply(params, tokens, saved)  # load_params' config is dropless
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
     ours = np.asarray(generate(params, tokens, saved, key=jax.random.key(0), max_new_tokens=12,
                                temperature=0.0))
