@@ -160,7 +160,7 @@ def local_config(config: Config, dropless: bool = True) -> Config:
     dropless by default (`grouped` with room for every copy, E / K x the uniform
     share, so a token's output never depends on the others in its batch);
     `dropless=False` keeps the training capacity factor (and its drops)."""
-    overrides = ["mesh.data=1", "mesh.expert=1", "mesh.stage=1", "pipeline.schedule=gpipe",
+    overrides = ["mesh.data=1", "mesh.expert=1", "mesh.stage=1",
                  "pipeline.virtual_stages=1", "pipeline.stage_microbatches=1"]
     if config.num_moe_layers and (dropless or config.moe.dispatcher not in LOCAL_DISPATCHERS):
         overrides.append("moe.dispatcher=grouped")

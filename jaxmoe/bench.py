@@ -288,7 +288,6 @@ def bench_pipeline(a: argparse.Namespace) -> dict:
               "model.num_dense_layers=1"]
     cases = {name: common + a.set + [f"mesh.stage={S}", f"mesh.data={8 // S}",
                                      f"pipeline.stage_microbatches={M if S > 1 else 1}",
-                                     f"pipeline.schedule={'circular' if V > 1 else 'gpipe'}",
                                      f"pipeline.virtual_stages={V}"]
              for name, (S, V) in layout.items()}
     runs = {name: _train_step_case(a.config, overrides).run for name, overrides in cases.items()}

@@ -91,8 +91,9 @@ class MeshConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     stage_microbatches: int = 1  # micro-batches flowing through the stages, per accumulation step
-    schedule: Literal["gpipe", "circular"] = "gpipe"
-    virtual_stages: int = 1  # circular: chunks of layers per device, visited round-robin
+    # chunks of layers per device: 1 is GPipe; 2 or more a circular schedule that
+    # visits them round-robin
+    virtual_stages: int = 1
 
 
 @dataclass(frozen=True)
@@ -280,14 +281,13 @@ def validate(c: Config) -> None:
         _require(moe.num_experts % c.mesh.expert == 0, "moe.num_experts",
                  f"{moe.num_experts} experts cannot be split over mesh.expert={c.mesh.expert}")
     P, V = c.pipeline.stage_microbatches, c.pipeline.virtual_stages
-    if c.pipeline.schedule == "gpipe":
-        _require(V == 1, "pipeline.virtual_stages", "gpipe has one stage per device; use "
-                 "schedule: circular for virtual stages")
-    else:
-        _require(V >= 2, "pipeline.virtual_stages", "circular needs at least 2")
-        _require(c.mesh.stage > 1, "mesh.stage", "circular needs an explicit stage count above 1")
+    _require(V >= 1, "pipeline.virtual_stages", "must be at least 1")
+    if V > 1:  # circular
+        _require(c.mesh.stage > 1, "mesh.stage", "virtual stages need an explicit stage count "
+                 "above 1")
         _require(P >= c.mesh.stage, "pipeline.stage_microbatches",
-                 f"circular needs at least as many micro-batches as stages ({c.mesh.stage})")
+                 f"a circular schedule needs at least as many micro-batches as stages "
+                 f"({c.mesh.stage})")
     if c.mesh.stage > 1:
         _require(c.num_moe_layers >= c.mesh.stage * V, "mesh.stage",
                  f"{c.num_moe_layers} MoE layers cannot fill {c.mesh.stage} stages "
@@ -404,6 +404,21 @@ RENAMED = {"train.microbatches": _BOTH_MICROBATCHES, "pipeline.microbatches": _B
 LEGACY_VALUES = {"model.qk_norm": {True: "head", False: "none"}}
 
 
+def _retired_schedule(pipeline: dict) -> None:
+    """pipeline.schedule, which only restated virtual_stages: checked and dropped."""
+    value = pipeline.pop("schedule")
+    V = pipeline.get("virtual_stages", PipelineConfig.virtual_stages)
+    implied = "circular" if isinstance(V, int) and V > 1 else "gpipe"
+    if value != implied:
+        raise ConfigError(f"pipeline.schedule: {value!r} disagrees with virtual_stages={V}, "
+                          f"which means {implied!r}; the key is no longer read (virtual_stages "
+                          "alone picks the schedule): drop it")
+
+
+# Keys older configs and checkpoints hold that no longer choose anything.
+RETIRED = {"pipeline.schedule": _retired_schedule}
+
+
 def current_value(key: str, value: Any) -> Any:
     """`value` of the dotted `key` as this jaxmoe spells it."""
     if type(value) is bool and key in LEGACY_VALUES:
@@ -416,10 +431,12 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    for name in raw:
+    for name in list(raw):
         key = f"{prefix}.{name}" if prefix else name
         if key in RENAMED:
             raise ConfigError(f"{key}: renamed, {RENAMED[key]}")
+        if key in RETIRED:
+            RETIRED[key](raw)
     unknown = sorted(set(raw) - names)
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]

@@ -98,25 +98,18 @@ def working_copy(cfg: Config, mesh: Mesh, params: nnx.State, specs: nnx.State) -
                                             is_leaf=lambda x: isinstance(x, P))
 
 
-def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout, working: Callable,
-                 loss_hook: Callable | None = None) -> Callable:
-    """`loss_fn(params, buffers, tokens_BxL1, key, step=None) -> (loss, (ce, aux))`:
-    the mean next-token loss of the rows given, plus the router losses. `working`
-    turns the parameters into the copy the model computes with.
-
-    `loss_hook(loss, step) -> loss`, for tests only, may alter the training loss
-    (e.g. inject a NaN) without touching the model.
-    """
+def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout, working: Callable) -> Callable:
+    """`loss_fn(params, buffers, tokens_BxL1, key) -> (loss, (ce, aux))`: the mean
+    next-token loss of the rows given, plus the router losses. `working` turns the
+    parameters into the copy the model computes with."""
     has_moe, moe = cfg.num_moe_layers > 0, cfg.moe
 
-    def loss_fn(params, buffers, tokens_BxL1, key, step=None):
+    def loss_fn(params, buffers, tokens_BxL1, key):
         model = nnx.merge(graphdef, working(params), buffers)
         x, aux = model.hidden(tokens_BxL1[:, :-1], layout=layout, key=key, remat=cfg.train.remat)
         ce = model.cross_entropy(x, tokens_BxL1[:, 1:], layout, cfg.train.loss_chunk)
         ce = ce if layout is None else layout.ce_share(ce)
         loss = ce
-        if loss_hook is not None and step is not None:  # training only, not eval
-            loss = loss_hook(loss, step)
         if has_moe:
             loss += moe.balance_loss_weight * jnp.mean(aux["balance_loss"])
             loss += moe.z_loss_weight * jnp.mean(aux["z_loss"])
@@ -126,7 +119,7 @@ def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout, working: Callable,
 
 
 def accumulate_gradients(loss_fn: Callable, cfg: Config, params, buffers, batch_BxL1: jax.Array,
-                         step_key: jax.Array, step: jax.Array):
+                         step_key: jax.Array):
     """Sums over the `train.accumulation_steps` slices of `batch_BxL1`: fp32
     gradients w.r.t. `params`, loss, ce and router stats (divide by the count)."""
     A = cfg.train.accumulation_steps
@@ -137,7 +130,7 @@ def accumulate_gradients(loss_fn: Callable, cfg: Config, params, buffers, batch_
 
     def one_slice(i, tokens):
         key = jax.random.fold_in(step_key, i) if cfg.moe.router_jitter > 0 else None
-        (loss, (ce, aux)), grads = grad_fn(params, buffers, tokens, key, step)
+        (loss, (ce, aux)), grads = grad_fn(params, buffers, tokens, key)
         return jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss, ce, aux
 
     if A == 1:  # no accumulation loop: no zeroed gradient tree to add into
@@ -147,7 +140,7 @@ def accumulate_gradients(loss_fn: Callable, cfg: Config, params, buffers, batch_
         return jax.tree.map(jnp.add, sums, one_slice(*xs)), None
 
     # forward only: the shapes (and, per device, the varying axes) of loss, ce and stats
-    loss, (ce, aux) = jax.eval_shape(loss_fn, params, buffers, slices_AxBxL1[0], None, step)
+    loss, (ce, aux) = jax.eval_shape(loss_fn, params, buffers, slices_AxBxL1[0], None)
     zeros = (jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params),
              *jax.tree.map(_zeros, (loss, ce, aux)))
     sums, _ = jax.lax.scan(add, zeros, (jnp.arange(A), slices_AxBxL1))
@@ -192,7 +185,7 @@ def auto_train_step(cfg: Config, layout: GlobalLayout, loss_fn: Callable, tx, lr
     def train_step(state: TrainState, batch_BxL1: jax.Array):
         step_key = jax.random.fold_in(state.key, state.step)
         grads, loss, ce, aux = accumulate_gradients(loss_fn, cfg, state.params, state.buffers,
-                                                    batch_BxL1, step_key, state.step)
+                                                    batch_BxL1, step_key)
         grads = jax.tree.map(lambda g: g / cfg.train.accumulation_steps, grads)
         params, opt_state, grad_norm, finite = apply_gradients(tx, state.params, state.opt_state,
                                                                grads, loss)
@@ -244,7 +237,7 @@ def ddp_train_step(cfg: Config, layout: DeviceLayout, specs: TrainState, use_spe
             working = tree_map(ddp.gather_shards, working, plans)
         working = tree_map(ddp.to_per_device, working, plans)
         grads, loss, ce, aux = accumulate_gradients(loss_fn, cfg, working, state.buffers,
-                                                    rows_bxL1, step_key, state.step)
+                                                    rows_bxL1, step_key)
         scale = 1.0 / (n_batch * A)
         grads = tree_map(lambda g, r: ddp.reduce_gradient(g, r) * scale, grads, plans)
         # over every axis: stages hold disjoint layers (zeros elsewhere) and the
@@ -289,9 +282,8 @@ def uses_per_device_step(cfg: Config) -> bool:
     return cfg.mesh.parallelism == "ddp"
 
 
-def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> Steps:
-    """Compiles init, train and eval steps for `cfg` on `mesh` (see `make_loss_fn`
-    for `loss_hook`)."""
+def build_steps(cfg: Config, mesh: Mesh) -> Steps:
+    """Compiles init, train and eval steps for `cfg` on `mesh`."""
     layout = GlobalLayout(mesh, cfg)
     layout.check_training()
     graphdef, abs_params, abs_buffers = abstract_model(cfg)
@@ -303,7 +295,7 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
     shard_specs = layout.optimizer_specs(abs_params, use_specs)
     check_optimizer(cfg, mesh, abs_params, shard_specs)
     global_loss = make_loss_fn(cfg, graphdef, layout,
-                               lambda p: working_copy(cfg, mesh, p, use_specs), loss_hook)
+                               lambda p: working_copy(cfg, mesh, p, use_specs))
 
     def init(key):
         model = Transformer(cfg, nnx.Rngs(params=key))
@@ -315,7 +307,7 @@ def build_steps(cfg: Config, mesh: Mesh, loss_hook: Callable | None = None) -> S
         specs = jax.tree.map(lambda s: s.spec, shardings,
                              is_leaf=lambda x: isinstance(x, NamedSharding))
         device_layout = DeviceLayout(mesh, cfg)
-        local_loss = make_loss_fn(cfg, graphdef, device_layout, lambda p: p, loss_hook)
+        local_loss = make_loss_fn(cfg, graphdef, device_layout, lambda p: p)
         train_step = ddp_train_step(cfg, device_layout, specs, use_specs, shard_specs, local_loss,
                                     tx, lr_at)
     else:

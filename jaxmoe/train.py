@@ -11,7 +11,6 @@ import argparse
 import signal
 import sys
 from pathlib import Path
-from typing import Callable
 
 import jax
 import numpy as np
@@ -81,20 +80,20 @@ class StopSignals:
 
 
 def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
-          loss_hook: Callable | None = None, init_weights: dict | None = None) -> dict:
+          init_weights: dict | None = None) -> dict:
     """Runs (or resumes) the configured job; returns the final summary (also printed).
 
     stop_after: leave after this many steps of this process, with a checkpoint
     (for time-limited allocations). init_weights: start from these weights (a plain
     dict in model order, e.g. `jaxmoe.hf.load_hf`'s) instead of the seed's; a run
-    that resumes ignores them. loss_hook: see `build_steps` (tests only).
+    that resumes ignores them.
     """
     t = cfg.train
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_vocab(tokenizer, cfg.model.vocab_size)
     corpus.check_tokenizer(tokenizer.describe())
     BatchIterator(corpus.train, t.batch_size, t.seq_len, seed=t.seed)  # data errors before compiling
-    steps = build_steps(cfg, make_mesh(cfg.mesh), loss_hook)
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
     run_dir = Path(t.run_dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir)
     saved = checkpoint.complete_steps(ckpt_dir)

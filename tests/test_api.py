@@ -225,7 +225,7 @@ def test_load_params_from_a_padded_circular_pipeline(tmp_path):
         "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "dispatcher": "dense",
                 "expert_bias": True},
         "mesh": {"data": 4, "stage": 2},
-        "pipeline": {"stage_microbatches": 2, "schedule": "circular", "virtual_stages": 2},
+        "pipeline": {"stage_microbatches": 2, "virtual_stages": 2},
         "train": {"steps": 4, "batch_size": 8, "seq_len": 16, "run_dir": str(tmp_path)},
         "optimizer": {"warmup_steps": 1}})
     assert cfg.moe_layer_slots == 8 and cfg.num_moe_layers == 6

@@ -21,6 +21,8 @@ from jaxmoe.model.router import balance_loss, route
 from jaxmoe.sharding import make_mesh
 from jaxmoe.step import build_steps, update_expert_bias
 
+from poison import poison_loss, poisoned
+
 E, K = 8, 2
 
 
@@ -193,14 +195,15 @@ def test_plots_write_pngs(tmp_path):
         plots.load_heatmaps(tmp_path)
 
 
-def test_skipped_step_leaves_bias_untouched():
+def test_skipped_step_leaves_bias_untouched(monkeypatch):
     cfg = _bias_config()
-    batch = np.arange(8 * 9).reshape(8, 9) % 256
-    for poison, moved in [(jnp.nan, 0.0), (1.0, 0.01)]:  # a non-finite loss vs a normal one
-        steps = build_steps(cfg, make_mesh(cfg.mesh), loss_hook=lambda loss, step: loss * poison)
+    poison_loss(monkeypatch)
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    batch = np.arange(8 * 9).reshape(8, 9) % 200
+    for rows, moved in [(poisoned(batch), 0.0), (batch, 0.01)]:  # a non-finite loss, a normal one
         state, metrics = steps.train_step(steps.init(jax.random.PRNGKey(0)),
-                                          jax.device_put(batch, steps.batch_sharding))
-        assert int(metrics["skipped"]) == (poison != 1.0)
+                                          jax.device_put(rows, steps.batch_sharding))
+        assert int(metrics["skipped"]) == (moved == 0.0)
         bias = np.asarray(state.buffers["moe_layers"]["moe"]["router"]["bias"][...])
         assert np.abs(bias).max() == pytest.approx(moved)
 

@@ -42,6 +42,20 @@ def test_the_two_microbatch_keys_are_refused_naming_their_successors(old):
     assert (cfg.train.accumulation_steps, cfg.pipeline.stage_microbatches) == (2, 2)
 
 
+def test_the_retired_schedule_key_loads_when_it_agrees():
+    """pipeline.schedule only restated virtual_stages; older configs still load."""
+    circular = {"mesh": {"data": 2, "stage": 2}, "train": {"batch_size": 8},
+                "pipeline": {"stage_microbatches": 2, "virtual_stages": 2}}
+    old = {**circular, "pipeline": {**circular["pipeline"], "schedule": "circular"}}
+    assert config_from_dict(old) == config_from_dict(circular)
+    assert config_from_dict({"pipeline": {"schedule": "gpipe"}}) == config_from_dict({})
+    with pytest.raises(ConfigError, match="^pipeline.schedule: 'gpipe' disagrees with "
+                                          "virtual_stages=2, which means 'circular'"):
+        config_from_dict({**circular, "pipeline": {**circular["pipeline"], "schedule": "gpipe"}})
+    with pytest.raises(ConfigError, match="^pipeline.schedule: 'circular' disagrees"):
+        config_from_dict({}, ["pipeline.schedule=circular"])
+
+
 def test_yaml_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

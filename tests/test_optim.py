@@ -16,6 +16,8 @@ from jaxmoe.optim import decay_mask, learning_rate_schedule, make_optimizer
 from jaxmoe.sharding import make_mesh
 from jaxmoe.step import apply_gradients, build_steps
 
+from poison import poison_loss, poisoned
+
 CFG = OptimizerConfig(learning_rate=1e-2, warmup_steps=3, schedule="cosine", grad_clip=1.0,
                       weight_decay=0.1)
 STEPS = 20
@@ -387,21 +389,21 @@ def test_settings_checked_against_the_model_and_mesh():
     build_steps(cfg, make_mesh(cfg.mesh))
 
 
-def test_ddp_step_with_lion_and_bf16_mu_trains_skips_and_restores(tmp_path):
+def test_ddp_step_with_lion_and_bf16_mu_trains_skips_and_restores(tmp_path, monkeypatch):
     """8 devices, ZeRO-1, an optax optimizer with a bfloat16 first moment: its state
     is sharded like the parameters' ZeRO-1 shards, a NaN step changes nothing, the
     checkpoint restores (also into a float32 config, cast) and refuses to resume as
     adamw. The optimizer runs under its own named scope."""
     cfg = _tiny(name="lion", learning_rate=3e-4, mu_dtype="bfloat16")
-    steps = build_steps(cfg, make_mesh(cfg.mesh),
-                        loss_hook=lambda loss, step: jnp.where(step == 1, jnp.nan, loss))
+    poison_loss(monkeypatch)
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
     state = steps.init(jax.random.PRNGKey(0))
-    tokens = jax.device_put(np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32),
-                            steps.batch_sharding)
+    rows = np.random.default_rng(0).integers(0, 200, (8, 17)).astype(np.int32)
+    tokens = jax.device_put(rows, steps.batch_sharding)
     assert "optimizer/" in steps.train_step.lower(state, tokens).as_text(debug_info=True)
     states, skipped = [jax.device_get(state)], []
-    for _ in range(2):
-        state, metrics = steps.train_step(state, tokens)
+    for batch in (rows, poisoned(rows)):  # the second step's loss is NaN
+        state, metrics = steps.train_step(state, jax.device_put(batch, steps.batch_sharding))
         states.append(jax.device_get(state))
         skipped.append(int(metrics["skipped"]))
     assert skipped == [0, 1] and int(state.opt_state.count) == 1

@@ -161,11 +161,10 @@ def test_bubble_fraction():
     (4, 1, "grouped", 1, 7, "compute"), (2, 2, "alltoall", 2, 6, "mxfp8")])  # 7, 6: padded
 def test_stage_major_layouts_equal_sequential(stages, virtual, dispatcher, expert, moe_layers, precision):
     from jaxmoe.model.transformer import stored_layer_order
-    schedule = "circular" if virtual > 1 else "gpipe"
     raw = {**BASE, "model": {**BASE["model"], "num_layers": moe_layers + 1},
            "moe": {**BASE["moe"], "dispatcher": dispatcher, "expert_precision": precision},
            "mesh": {"data": 8 // stages // expert, "stage": stages, "expert": expert},
-           "pipeline": {"stage_microbatches": 4, "schedule": schedule, "virtual_stages": virtual}}
+           "pipeline": {"stage_microbatches": 4, "virtual_stages": virtual}}
     cfg = config_from_dict(raw)
     assert cfg.moe_layer_slots == 8
     mesh = make_mesh(cfg.mesh)
@@ -236,7 +235,7 @@ def test_each_stage_device_holds_its_row_of_the_stored_slots():
     cfg = config_from_dict({**BASE, "model": {**BASE["model"], "num_layers": 8},
                             "mesh": {"data": 2, "stage": 2, "expert": 2},
                             "moe": {**BASE["moe"], "dispatcher": "alltoall"},
-                            "pipeline": {"stage_microbatches": 2, "schedule": "circular",
+                            "pipeline": {"stage_microbatches": 2,
                                          "virtual_stages": 2}})
     mesh = make_mesh(cfg.mesh)
     layout = DeviceLayout(mesh, cfg)

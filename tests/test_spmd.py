@@ -128,7 +128,7 @@ def test_sharded_step_equals_single_device(reference, mesh, dispatcher, accumula
 
 PIPE = {"data": 2, "stage": 2, "expert": 2}
 GPIPE = {"stage_microbatches": 2}
-CIRCULAR = {"stage_microbatches": 2, "schedule": "circular", "virtual_stages": 2}
+CIRCULAR = {"stage_microbatches": 2, "virtual_stages": 2}
 
 
 def _pipeline_and_reference(pipeline, accumulation, dispatcher, dtype="float32", zero1=True,
