@@ -13,20 +13,21 @@ Anything else (a softmax router with a selection bias, a shared expert beside a
 softmax router, ...) has no family in `transformers` and is refused by name.
 
 Tensors are written as `save_pretrained` writes them: one per expert, in
-`[out, in]` layout. Files are read and written here (safetensors is a JSON
-header and raw little-endian data), so bfloat16 needs no torch, and reading is
-memory-mapped: one layer at a time is converted.
+`[out, in]` layout, through the safetensors library's numpy interface (bfloat16
+without torch): a shard's converted tensors are held together while it is
+written. Reading takes one tensor at a time, so one layer at a time is converted.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import jax
 import ml_dtypes
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from jaxmoe.api import check_params
 from jaxmoe.config import SHAPE_KEYS, Config, config_from_dict
@@ -34,8 +35,7 @@ from jaxmoe.config import SHAPE_KEYS, Config, config_from_dict
 FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
             "mixtral": "MixtralForCausalLM", "dots1": "Dots1ForCausalLM"}
 INDEX = "model.safetensors.index.json"
-_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype("<f2")}
-_NAMES = {v: k for k, v in _DTYPES.items()}
+_DTYPES = ("F32", "BF16", "F16")  # what jaxmoe reads (as float32)
 
 
 class HFError(ValueError):
@@ -327,31 +327,9 @@ def _stack(layers: list[dict]):
 # ---------------------------------------------------------------- safetensors files
 
 
-def write_safetensors(path: Path, header: list[tuple[str, tuple, np.dtype]], arrays,
-                      metadata: dict | None = None) -> None:
-    """header: (name, shape, dtype) of each tensor; arrays: a callable returning an
-    iterator of the arrays in that order, made one at a time, so the file is written
-    holding one array at once."""
-    entries, offset = {}, 0
-    for name, shape, dtype in header:
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        entries[name] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape),
-                         "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    if metadata:
-        entries["__metadata__"] = metadata
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for (name, shape, dtype), a in zip(header, arrays()):
-            assert a.shape == tuple(shape) and a.dtype == dtype, name
-            f.write(np.ascontiguousarray(a).tobytes())
-
-
 class SafetensorsReader:
-    """Memory-mapped tensors of one or many safetensors files (a sharded checkpoint's
-    index names each tensor's file)."""
+    """Tensors of one or many safetensors files (a sharded checkpoint's index names
+    each tensor's file), read one at a time through the safetensors library."""
 
     def __init__(self, directory: Path):
         self.directory = directory
@@ -365,26 +343,22 @@ class SafetensorsReader:
         missing = [f for f in files if not (directory / f).is_file()]
         if missing:
             raise HFError(f"{directory}: shard {missing[0]} named by {INDEX} is missing")
-        self.where: dict[str, tuple[Path, dict, int]] = {}
+        self.where: dict[str, tuple[Path, str, tuple[int, ...]]] = {}  # file, dtype, shape
         for f in files:
-            with open(directory / f, "rb") as fh:
-                (size,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(size))
-            header.pop("__metadata__", None)
-            for name, info in header.items():
-                self.where[name] = (directory / f, info, 8 + size)
+            with safe_open(directory / f, framework="numpy") as fh:
+                for name in fh.keys():
+                    info = fh.get_slice(name)
+                    self.where[name] = (directory / f, info.get_dtype(), tuple(info.get_shape()))
 
     def __call__(self, name: str) -> np.ndarray:
         if name not in self.where:
             raise HFError(f"{self.directory}: tensor {name} is missing")
-        path, info, base = self.where[name]
-        if info["dtype"] not in _DTYPES:
-            raise HFError(f"{path}: tensor {name} has dtype {info['dtype']}; jaxmoe reads "
+        path, dtype, _ = self.where[name]
+        if dtype not in _DTYPES:
+            raise HFError(f"{path}: tensor {name} has dtype {dtype}; jaxmoe reads "
                           f"{', '.join(_DTYPES)}")
-        start, end = info["data_offsets"]
-        a = np.memmap(path, dtype=_DTYPES[info["dtype"]], mode="r", offset=base + start,
-                      shape=tuple(info["shape"]) or (1,))
-        return np.asarray(a, np.float32).reshape(info["shape"])
+        with safe_open(path, framework="numpy") as fh:
+            return np.asarray(fh.get_tensor(name), np.float32)
 
 
 # ---------------------------------------------------------------- whole models
@@ -436,10 +410,9 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, dtype: str = "float32
     shard_of = {name: n for n, names in enumerate(shards) for name in names}
     shapes = dict(params_to_hf(_shapes_only(params), cfg, family))
     for n, file in enumerate(files):
-        header = [(name, shapes[name].shape, dtype_of(name)) for name in shards[n]]
-        write_safetensors(out / file, header, lambda n=n: (
-            np.asarray(t, dtype_of(name)) for name, t in params_to_hf(params, cfg, family)
-            if shard_of[name] == n), {"format": "pt"})
+        save_file({name: np.ascontiguousarray(t, dtype_of(name))
+                   for name, t in params_to_hf(params, cfg, family) if shard_of[name] == n},
+                  out / file, {"format": "pt"})
     total = sum(int(np.prod(t.shape)) * dtype_of(name).itemsize for name, t in shapes.items())
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": int(total)},
                                          "weight_map": {k: files[v] for k, v in shard_of.items()}},

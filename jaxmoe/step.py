@@ -24,6 +24,7 @@ from jaxmoe.model.transformer import Transformer, stored_layer_order
 from jaxmoe.optim import (learning_rate_schedule, make_optimizer, param_names,
                           unmatched_patterns, updates_are_elementwise)
 from jaxmoe.parallel import ddp
+from jaxmoe.parallel.vma import vary, varying_axes
 from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
 from jaxmoe.sharding import BATCH_AXES
 
@@ -149,10 +150,7 @@ def accumulate_gradients(loss_fn: Callable, cfg: Config, params, buffers, batch_
 
 def _zeros(a: jax.ShapeDtypeStruct) -> jax.Array:
     """Zeros of a's shape and dtype that vary over the same mesh axes as a."""
-    z = jnp.zeros(a.shape, a.dtype)
-    manual = getattr(a, "manual_axis_type", None)
-    varying = tuple(sorted(manual.varying)) if manual is not None else ()
-    return jax.lax.pcast(z, varying, to="varying") if varying else z
+    return vary(jnp.zeros(a.shape, a.dtype), varying_axes(a))
 
 
 def step_metrics(cfg: Config, layout, loss, ce, aux, grad_norm, lr, finite, num_tokens: int):
@@ -228,7 +226,7 @@ def ddp_train_step(cfg: Config, layout: DeviceLayout, specs: TrainState, use_spe
         step_key = jax.random.fold_in(step_key, jax.lax.axis_index(BATCH_AXES))  # own jitter
         # rows, like the weights, vary over every axis (stage included), so no
         # use of a weight implies a reduction of its gradient
-        rows_bxL1 = jax.lax.pcast(rows_bxL1, ("stage",), to="varying")
+        rows_bxL1 = vary(rows_bxL1, ("stage",))
         # The working copy, made once per step: cast, then (ZeRO-1 bf16 masters) gathered.
         working = jax.tree_util.tree_map_with_path(
             lambda path, p: p if _stays_fp32(path, p) else p.astype(cfg.model.compute_dtype),

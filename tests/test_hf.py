@@ -79,7 +79,7 @@ def test_imports_with_the_same_logits_and_exports_the_same_tensors(family, tmp_p
     np.testing.assert_array_equal(_logits(reloaded.eval(), tokens), want)
     if family == "dots1":  # bfloat16 keeps the router in fp32, as transformers loads it
         save_hf(params, cfg, tmp_path / "bf16", dtype="bfloat16")
-        dtypes = {n: info["dtype"] for n, (_, info, _) in SafetensorsReader(tmp_path / "bf16")
+        dtypes = {n: dtype for n, (_, dtype, _) in SafetensorsReader(tmp_path / "bf16")
                   .where.items()}
         assert dtypes["model.layers.1.mlp.gate.weight"] == "F32"
         assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == "F32"

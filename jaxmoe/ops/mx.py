@@ -33,6 +33,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.parallel.vma import vary, varying_axes
+
 BLOCK = 32
 E4M3_MAX = 448.0
 SCALE_RULES = ("ceil", "floor")
@@ -144,8 +146,7 @@ def _gemm(a, b, out_dtype, native: bool) -> jax.Array:
         out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
         # its result type forgets the mesh axes its operands vary over (inside shard_map,
         # jax 0.10); restore them, or a custom VJP around it fails JAX's type check
-        lost = tuple(sorted((_varying(qa) | _varying(qb)) - _varying(out)))
-        out = jax.lax.pcast(out, lost, to="varying") if lost else out
+        out = vary(out, varying_axes(qa) | varying_axes(qb))
     else:
         out = jnp.einsum("bmk,bnk->bmn", a, b, preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
@@ -163,19 +164,10 @@ def mx_bmm(a_BxMxK: jax.Array, b_BxNxK: jax.Array, out_dtype,
     return _gemm(*_quantized_operands(a_BxMxK, b_BxNxK, scale_rule, native), out_dtype, native)
 
 
-def _varying(a: jax.Array) -> frozenset:
-    """Mesh axes `a` varies over inside shard_map (empty outside)."""
-    aval = jax.typeof(a)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
-
-
 def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
     """Sums a cotangent over the mesh axes the primal does not vary over (as autodiff
     does for implicitly broadcast operands) and casts it to the primal's dtype."""
-    extra = tuple(sorted(_varying(ct) - _varying(primal)))
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
     return (jax.lax.psum(ct, extra) if extra else ct).astype(primal.dtype)
 
 

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxmoe.parallel.vma import vary
+
 
 def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
@@ -94,9 +96,7 @@ def global_norm(grads, reductions, mesh: Mesh) -> jax.Array:
 def psum_everywhere(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """psum over `axes`, x first made per-device over those it does not vary on
     (psum takes no mix of the two)."""
-    have = jax.typeof(x).manual_axis_type.varying
-    missing = tuple(a for a in axes if a not in have)
-    return lax.psum(lax.pcast(x, missing, to="varying") if missing else x, axes)
+    return lax.psum(vary(x, axes), axes)
 
 
 def _is_red(x) -> bool:

@@ -23,14 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmoe.config import ConfigError
+from jaxmoe.parallel.vma import vary, varying_axes
 
 _installed = False
-
-
-def _varying(x: jax.Array, axis_name: tuple[str, ...]) -> jax.Array:
-    """x typed as device-varying over axis_name, as `all_to_all` requires under check_vma."""
-    missing = tuple(a for a in axis_name if a not in jax.typeof(x).mat.varying)
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def ragged_all_to_all_via_all_to_all(operand, output, input_offsets, send_sizes,
@@ -54,9 +49,9 @@ def ragged_all_to_all_via_all_to_all(operand, output, input_offsets, send_sizes,
     inside_JxN = (n_N >= in_off_J) & (n_N < in_off_J + size_J)
     pos_JxN = jnp.where(inside_JxN, out_off_J + n_N - in_off_J, M)  # M: not in this slice
     # Destination-major in, source-major out: block r then holds what rank r sent here.
-    pos_RxJrxN = lax.all_to_all(_varying(pos_JxN.reshape(R, J // R, N), axis_name),
+    pos_RxJrxN = lax.all_to_all(vary(pos_JxN.reshape(R, J // R, N), axis_name),
                                 axis_name, 0, 0, tiled=True)
-    rows_RxN = lax.all_to_all(_varying(jnp.broadcast_to(operand, (R,) + operand.shape), axis_name),
+    rows_RxN = lax.all_to_all(vary(jnp.broadcast_to(operand, (R,) + operand.shape), axis_name),
                               axis_name, 0, 0, tiled=True)
     rows_RxJrxN = jnp.broadcast_to(rows_RxN[:, None], (R, J // R) + operand.shape)
     return output.at[pos_RxJrxN.reshape(-1)].set(
@@ -71,7 +66,7 @@ def install_cpu_lowering() -> None:
     try:
         from jax._src.interpreters import mlir
         from jax._src.lax.parallel import ragged_all_to_all_p
-        jax.typeof(0.0).mat.varying  # the type field `_varying` reads at lowering time
+        varying_axes(0.0)  # the type field `vary` reads at lowering time (AttributeError)
         rule = mlir.lower_fun(ragged_all_to_all_via_all_to_all, multiple_results=False)
         mlir.register_lowering(ragged_all_to_all_p, rule, platform="cpu")
     except (ImportError, AttributeError, TypeError) as e:
