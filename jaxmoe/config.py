@@ -236,6 +236,13 @@ def _require(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+def check_expert_split(num_experts: int, expert: int) -> None:
+    """Each expert rank holds num_experts / expert of them; run wherever `expert` is
+    known (the config, a resolved mesh, a caller's mesh)."""
+    _require(num_experts % expert == 0, "moe.num_experts",
+             f"{num_experts} experts cannot be split over mesh.expert={expert}")
+
+
 def validate(c: Config) -> None:
     """Cross-field checks; each names the key at fault."""
     m, moe, t, o = c.model, c.moe, c.train, c.optimizer
@@ -278,8 +285,7 @@ def validate(c: Config) -> None:
     _require([c.mesh.data, c.mesh.expert, c.mesh.stage].count(-1) <= 1, "mesh",
              "at most one axis may be -1")
     if c.num_moe_layers and c.mesh.expert > 0:
-        _require(moe.num_experts % c.mesh.expert == 0, "moe.num_experts",
-                 f"{moe.num_experts} experts cannot be split over mesh.expert={c.mesh.expert}")
+        check_expert_split(moe.num_experts, c.mesh.expert)
     P, V = c.pipeline.stage_microbatches, c.pipeline.virtual_stages
     _require(V >= 1, "pipeline.virtual_stages", "must be at least 1")
     if V > 1:  # circular
@@ -313,11 +319,11 @@ def validate(c: Config) -> None:
                  "jaxmoe's adamw takes none (its knobs are optimizer.b1, b2, eps); name an "
                  "optax optimizer to use them, e.g. optimizer.name: optax.adamw")
     else:
+        # the optax optimizer itself (its name, arguments and one test update) is
+        # checked where it is built, by jaxmoe.optim.make_optimizer
         for key in ("b1", "b2", "eps"):
             _require(getattr(o, key) == getattr(OptimizerConfig, key), f"optimizer.{key}",
                      f"used by adamw only; give {o.name} its {key} in optimizer.optax_kwargs")
-        from jaxmoe.optim import check_optax  # imports jax: only for optax optimizers
-        check_optax(o)
     _require(0.0 < c.data.heldout_fraction <= 0.5, "data.heldout_fraction", "must be in (0, 0.5]")
     d = c.data
     if d.source != "stdlib":

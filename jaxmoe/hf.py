@@ -376,9 +376,8 @@ def params_to_hf(params: dict, cfg: Config, family: str):
 def _shapes_only(tree):
     """The tree with each array replaced by a zero-strided one of its shape and dtype:
     free to transpose, slice and reshape."""
-    if isinstance(tree, dict):
-        return {k: _shapes_only(v) for k, v in tree.items()}
-    return np.broadcast_to(np.zeros((), np.asarray(tree).dtype), np.shape(tree))
+    return jax.tree.map(lambda a: np.broadcast_to(np.zeros((), np.asarray(a).dtype),
+                                                  np.shape(a)), tree)
 
 
 def save_hf(params: dict, cfg: Config, out: str | Path, *, dtype: str = "float32",

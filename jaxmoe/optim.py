@@ -92,8 +92,8 @@ def decays(name: str, p, no_decay: tuple[str, ...]) -> bool:
 def decay_mask(params, no_decay: tuple[str, ...]):
     """A tree like `params` holding, for each parameter, whether it decays. Static:
     it depends on paths and ranks only."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    return treedef.unflatten([decays(param_name(path), p, no_decay) for path, p in leaves])
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: decays(param_name(path), p, no_decay), params)
 
 
 def param_names(params) -> list[str]:
@@ -114,12 +114,16 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
     """`cfg.name` after a global-norm clip of `cfg.grad_clip` (0 disables), with
     decoupled weight decay on the parameters `decay_mask` selects.
 
+    An optax optimizer that cannot run as configured is refused here, naming the key
+    (`check_optax`), before anything compiles.
+
     `update(grads, state, params, skip=None, grad_norm=None)`: with `skip` true the
     returned updates are zero and the state is returned unchanged; `grad_norm`, the
     gradients' global norm when the caller has it already, saves computing it again.
     """
     schedule = learning_rate_schedule(cfg, total_steps)
     if cfg.name != "adamw":
+        check_optax(cfg)
         return _with_clip_and_skip(optax_optimizer(cfg, schedule), cfg.grad_clip)
     b1, b2, eps, wd, clip = cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.grad_clip
     mu_dtype = jnp.dtype(cfg.mu_dtype)

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmoe.config import Config, ConfigError, MeshConfig
+from jaxmoe.config import Config, ConfigError, MeshConfig, check_expert_split
 
 AXES = ("data", "stage", "expert")
 BATCH_AXES = ("data", "expert")
@@ -95,9 +95,8 @@ def check_divisibility(cfg: Config, mesh: Mesh) -> None:
                           f"{cfg.train.accumulation_steps} (accumulation) x "
                           f"{cfg.pipeline.stage_microbatches} (pipeline) "
                           f"micro-batches cannot be split over data x expert = {n_batch} devices")
-    if cfg.num_moe_layers and cfg.moe.num_experts % mesh.shape["expert"]:
-        raise ConfigError(f"moe.num_experts: {cfg.moe.num_experts} experts cannot be split "
-                          f"over mesh.expert={mesh.shape['expert']}")
+    if cfg.num_moe_layers:
+        check_expert_split(cfg.moe.num_experts, mesh.shape["expert"])
     chunks = mesh.shape["stage"] * cfg.pipeline.virtual_stages
     if cfg.num_moe_layers and mesh.shape["stage"] > 1 and cfg.moe_layer_slots % chunks:
         raise ConfigError(f"mesh.stage: {cfg.num_moe_layers} MoE layers do not split into "

@@ -217,9 +217,7 @@ def ddp_train_step(cfg: Config, layout: DeviceLayout, specs: TrainState, use_spe
     A = cfg.train.accumulation_steps
 
     def tree_map(fn, tree, plans):  # plans: a Reduction where `tree` has an array
-        flat = jax.tree.leaves(plans, is_leaf=lambda x: isinstance(x, ddp.Reduction))
-        return jax.tree.unflatten(jax.tree.structure(tree),
-                                  [fn(x, r) for x, r in zip(jax.tree.leaves(tree), flat)])
+        return jax.tree.map(fn, tree, plans)
 
     def local_step(state: TrainState, rows_bxL1: jax.Array):
         step_key = jax.random.fold_in(state.key, state.step)

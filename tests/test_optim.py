@@ -333,18 +333,8 @@ def test_an_optax_optimizer_by_name_equals_optax_and_skips():
 
 
 @pytest.mark.parametrize("raw, key", [
-    ({"name": "adamw_typo"}, "optimizer.name"),
-    ({"name": "clip_by_global_norm"}, "optimizer.name"),  # a transformation, no optimizer
     ({"optax_kwargs": {"b2": 0.99}}, "optimizer.optax_kwargs"),  # jaxmoe's adamw takes none
-    ({"name": "lion", "optax_kwargs": {"beta2": 0.99}}, "optimizer.optax_kwargs.beta2"),
-    ({"name": "lion", "optax_kwargs": {"b1": "high"}}, "optimizer.optax_kwargs"),
-    ({"name": "lion", "optax_kwargs": {"learning_rate": 1.0}},
-     "optimizer.optax_kwargs.learning_rate"),
     ({"name": "lion", "optax_kwargs": [0.99]}, "optimizer.optax_kwargs"),
-    ({"name": "sgd"}, "optimizer.weight_decay"),  # no weight decay, and 0.1 asked for
-    ({"name": "novograd"}, "optimizer.weight_decay"),  # decay without a mask
-    ({"name": "sgd", "weight_decay": 0, "mu_dtype": "bfloat16"}, "optimizer.mu_dtype"),
-    ({"name": "lbfgs", "weight_decay": 0}, "optimizer.name"),  # its update needs the loss
     ({"no_decay": ["embed", " "]}, "optimizer.no_decay"),
     ({"mu_dtype": "float16"}, "optimizer.mu_dtype"),
     ({"name": "lion", "b1": 0.8}, "optimizer.b1: used by adamw only"),  # would be ignored
@@ -352,6 +342,26 @@ def test_an_optax_optimizer_by_name_equals_optax_and_skips():
 def test_bad_optimizer_settings_name_the_key(raw, key):
     with pytest.raises(ConfigError, match=f"^{key}"):
         config_from_dict({"optimizer": raw})
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"name": "adamw_typo"}, "optimizer.name"),
+    ({"name": "clip_by_global_norm"}, "optimizer.name"),  # a transformation, no optimizer
+    ({"name": "lion", "optax_kwargs": {"beta2": 0.99}}, "optimizer.optax_kwargs.beta2"),
+    ({"name": "lion", "optax_kwargs": {"b1": "high"}}, "optimizer.optax_kwargs"),
+    ({"name": "lion", "optax_kwargs": {"learning_rate": 1.0}},
+     "optimizer.optax_kwargs.learning_rate"),
+    ({"name": "sgd"}, "optimizer.weight_decay"),  # no weight decay, and 0.1 asked for
+    ({"name": "novograd"}, "optimizer.weight_decay"),  # decay without a mask
+    ({"name": "sgd", "weight_decay": 0, "mu_dtype": "bfloat16"}, "optimizer.mu_dtype"),
+    ({"name": "lbfgs", "weight_decay": 0}, "optimizer.name"),  # its update needs the loss
+])
+def test_optax_optimizers_that_cannot_run_are_refused_where_built(raw, key):
+    """The config loads (it needs no jax); building the optimizer, which build_steps
+    does before compiling, names the key."""
+    cfg = config_from_dict({"optimizer": raw}).optimizer
+    with pytest.raises(ConfigError, match=f"^{key}"):
+        make_optimizer(cfg, 10)
 
 
 def test_optax_kwargs_load_hash_and_round_trip():

@@ -41,7 +41,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxmoe.config import MoEConfig
+from jaxmoe.config import MoEConfig, check_expert_split
 from jaxmoe.kernels import Kernels
 from jaxmoe.model.dispatch import (Dispatched, buffer_slots, capacity, combine_rows, gather_rows,
                                    routed_copies)
@@ -62,9 +62,7 @@ def _ep_layout(cfg: MoEConfig, mesh: Mesh | None, name: str) -> tuple[int, int]:
         raise ValueError(f"moe.dispatcher: {name!r} is expert-parallel and needs a device mesh "
                          f"(got mesh=None); use 'grouped' or 'dense' without one")
     R = mesh.shape["expert"]
-    if cfg.num_experts % R:
-        raise ValueError(f"moe.num_experts: {cfg.num_experts} experts cannot be split "
-                         f"over mesh.expert={R}")
+    check_expert_split(cfg.num_experts, R)
     return R, cfg.num_experts // R
 
 

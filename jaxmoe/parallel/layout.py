@@ -40,10 +40,7 @@ from jaxmoe.sharding import BATCH_AXES
 
 def dispatch_on_mesh(x_TxD, routing, weights, cfg: MoEConfig, mesh: Mesh | None) -> Dispatched:
     """`cfg.dispatcher` for a caller holding global arrays (None: one device)."""
-    if cfg.dispatcher not in LOCAL_DISPATCHERS:
-        if mesh is None:
-            raise ValueError(f"moe.dispatcher: {cfg.dispatcher!r} is expert-parallel and needs "
-                             "a device mesh (got mesh=None); use 'grouped' or 'dense' without one")
+    if cfg.dispatcher not in LOCAL_DISPATCHERS:  # refuses mesh=None, naming the key
         return ep_dispatch.EP_DISPATCHERS[cfg.dispatcher](x_TxD, routing, weights, cfg, mesh)
     dispatcher = get_dispatcher(cfg.dispatcher)
     kernels = Kernels.default() if mesh is None else Kernels.of_mesh(mesh)
