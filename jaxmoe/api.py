@@ -28,7 +28,7 @@ from jaxmoe import checkpoint
 from jaxmoe.config import Config, config_from_dict
 from jaxmoe.model.dispatch import LOCAL_DISPATCHERS
 from jaxmoe.model.moe import MoE
-from jaxmoe.model.transformer import Transformer, init_stds, stored_layer_order
+from jaxmoe.model.transformer import Transformer, init_stds
 from jaxmoe.parallel.layout import layout_for
 
 Params = dict[str, Any]
@@ -151,8 +151,7 @@ def moe_layer_params(params: Params, config: Config, layer: int) -> Params:
     n = config.num_moe_layers
     if not 0 <= layer < n:
         raise ValueError(f"layer: {layer} is not in [0, {n}) (the model has {n} MoE layers)")
-    stored = int(np.argsort(stored_layer_order(config))[layer])
-    return jax.tree.map(lambda a: a[stored], params["moe_layers"]["moe"])
+    return jax.tree.map(lambda a: a[layer], params["moe_layers"]["moe"])
 
 
 def local_config(config: Config, dropless: bool = True) -> Config:

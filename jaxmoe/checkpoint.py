@@ -2,40 +2,41 @@
 
 A checkpoint holds everything needed to continue bit-exactly: the whole
 TrainState (params, optimizer state, router expert biases, step, RNG key) and a
-JSON `meta` item (format version, the data iterator's position, the config).
-The MoE layers are saved in model order whatever the pipeline layout they
-trained under (a circular pipeline stores them by device, padded to equal
-stages), so a checkpoint resumes under any mesh and pipeline layout, and
-readers of the weights need no layout.
-Orbax writes into a temporary directory and renames it when complete, so a
-checkpoint exists only once whole; a process killed mid-save leaves the previous
-one as the latest.
+JSON `meta` item (format version, the data iterator's position, the config, and
+how the MoE stack was held). The state is saved as the layout keeps it: the MoE
+stack as [Lm, ...], or by pipeline stage as [V, S, per, ...] (`StageStack`),
+which flattens to model order. Restoring under another mesh or pipeline layout
+reshapes it (and drops or adds the padding); readers of the weights get model
+order. Orbax writes into a temporary directory and renames it when complete, so
+a checkpoint exists only once whole; a process killed mid-save leaves the
+previous one as the latest.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
-from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.config import SHAPE_KEYS, Config, config_from_dict, current_value
-from jaxmoe.model.transformer import stored_layer_order
+from jaxmoe.model.transformer import map_moe_stack
+from jaxmoe.parallel.pipeline import StageStack
 from jaxmoe.step import Steps, TrainState, abstract_model
 
+# 4: the state as the layout keeps it, meta["moe_stack"] = [V, S, per] of a pipeline's
+#    stage-held stack (None: [Lm, ...]).
 # 3: MoE layers in model order, pipeline padding dropped; `train.accumulation_steps`
 #    and `pipeline.stage_microbatches` in the config.
-# 2: MoE layers in the saved config's pipeline layout (`stored_layer_order`); the
-#    config said `microbatches` for both. Resumes: the layout is converted on read.
+# 2: MoE layers in the saved config's pipeline layout, stage-major ([S, V, per]
+#    flattened); the config said `microbatches` for both. Resumes: read into model order.
 # 1: optax's chained (clip, adam, decay, schedule) states, which 2 cannot restore
 #    into (2 holds jaxmoe.optim.AdamWState); its weights still load.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 RESUMES_SINCE = 2
 WEIGHTS_SINCE = 1  # params and router biases are laid out as in format 1
 
@@ -55,93 +56,65 @@ def checkpoint_manager(run_dir: str | Path, cfg: Config) -> ocp.CheckpointManage
     return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options)
 
 
-def save(manager: ocp.CheckpointManager, state: TrainState, data_state: dict, cfg: Config) -> None:
+def save(manager: ocp.CheckpointManager, state: TrainState, data_state: dict,
+         steps: Steps) -> None:
     """Starts an asynchronous save of the state at its step; training goes on."""
-    meta = {"format_version": FORMAT_VERSION, "data": data_state, "config": cfg.to_dict()}
+    stack = steps.layout.stack
+    meta = {"format_version": FORMAT_VERSION, "data": data_state, "config": steps.cfg.to_dict(),
+            "moe_stack": None if stack is None else list(stack)}
     manager.save(int(state.step), args=ocp.args.Composite(
-        state=ocp.args.StandardSave(to_model_order(state, cfg)), meta=ocp.args.JsonSave(meta)))
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
 
-# ---------------------------------------------------------------- MoE layer layout
-
-def _is_moe(path) -> bool:
-    return any(getattr(k, "key", None) == "moe_layers" for k in path)
+# ---------------------------------------------------------------- the saved MoE stack
 
 
-def _moe_length(tree) -> int | None:
-    leaves = [a for p, a in jax.tree_util.tree_leaves_with_path(tree) if _is_moe(p)]
-    return leaves[0].shape[0] if leaves else None
+class _Saved:
+    """How a checkpoint holds its MoE stack, and the way back to model order."""
+
+    def __init__(self, meta: dict):
+        cfg = saved_config(meta)
+        self.num_layers = cfg.num_moe_layers
+        version = meta["format_version"]
+        self.stack = StageStack(*meta["moe_stack"]) if version >= 4 and meta["moe_stack"] else None
+        self.format2_slots = None
+        if version == 2 and max(cfg.mesh.stage, 1) > 1:
+            self.format2_slots = _format2_slots(cfg)
+
+    def layer_dims(self) -> tuple[int, ...]:
+        """The leading (layer) dimensions of each saved MoE leaf."""
+        if self.stack is not None:
+            return (self.stack.virtual, self.stack.stages, self.stack.per)
+        if self.format2_slots is not None:
+            return (len(self.format2_slots),)
+        return (self.num_layers,)
+
+    def in_model_order(self, a):
+        if self.stack is not None:
+            return self.stack.model(a, self.num_layers)
+        if self.format2_slots is not None:
+            return a[np.argsort(self.format2_slots)[: self.num_layers]]
+        return a
 
 
-def _fit(sharding, length: int):
-    """`sharding` for a leading axis of `length`: unsplit where it would not divide."""
-    if not isinstance(sharding, jax.sharding.NamedSharding) or not sharding.spec:
-        return sharding
-    head = sharding.spec[0]
-    names = head if isinstance(head, tuple) else (head,) if head else ()
-    if length % int(np.prod([sharding.mesh.shape[n] for n in names], dtype=int)) == 0:
-        return sharding
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
-        None, *sharding.spec[1:]))
+def _format2_slots(cfg: Config) -> np.ndarray:
+    """Format 2's stage-major order: slot s V per + v per + j held model layer
+    (v S + s) per + j of a stack padded to S V per slots."""
+    S, V = max(cfg.mesh.stage, 1), cfg.pipeline.virtual_stages
+    per = -(-cfg.num_moe_layers // (S * V))
+    s, v, j = np.meshgrid(np.arange(S), np.arange(V), np.arange(per), indexing="ij")
+    return ((v * S + s) * per + j).reshape(-1)
 
 
-def _take_layers(tree, source, shardings=None):
-    """`tree` with each MoE leaf's layer axis rebuilt: slot i takes layer source[i],
-    or zeros where source[i] < 0 (a pipeline's pass-through padding). One program
-    for all leaves; `shardings`: the result's (a tree like `tree`), else the input's
-    fitted to the new length."""
-    source = np.asarray(source)
-    if _moe_length(tree) is None or (len(source) == _moe_length(tree)
-                                     and np.array_equal(source, np.arange(len(source)))):
-        return tree
-    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
-    moe = [_is_moe(p) for p in paths]
-    leaves = jax.tree.leaves(tree)
-    if shardings is None:
-        outs = [_fit(a.sharding, len(source)) for a, m in zip(leaves, moe) if m]
-    else:
-        outs = [s for s, m in zip(jax.tree.leaves(shardings), moe) if m]
-    taken = iter(_taker(tuple(int(i) for i in source), tuple(outs))(
-        [a for a, m in zip(leaves, moe) if m]))
-    return jax.tree.unflatten(jax.tree.structure(tree),
-                              [next(taken) if m else a for a, m in zip(leaves, moe)])
-
-
-@functools.lru_cache(maxsize=8)
-def _taker(source: tuple[int, ...], out_shardings: tuple) -> Callable:
-    """The compiled gather of `_take_layers`, one per layout change (a run saves
-    many times with the same one)."""
-    index, pad = np.maximum(np.array(source), 0), np.array(source) < 0
-
-    def take(arrays):
-        return [jnp.where(pad.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.zeros((), a.dtype),
-                          a[index]) for a in arrays]
-
-    return jax.jit(take, out_shardings=list(out_shardings))
-
-
-def to_model_order(state, cfg: Config):
-    """`state` (any tree holding `moe_layers` subtrees) with its MoE layers in model
-    order, padding dropped: what a checkpoint holds. Costs one copy of the MoE
-    state where the layout is not already model order (circular or padded
-    pipelines only); a save runs between steps, when the step's activations,
-    larger than that copy, are free."""
-    order = stored_layer_order(cfg)
-    return _take_layers(state, np.argsort(order)[: cfg.num_moe_layers])
-
-
-def _saved_order(meta: dict) -> np.ndarray:
-    """Model-order index of each saved MoE slot (>= the layer count: padding)."""
-    cfg = saved_config(meta)
-    if meta["format_version"] >= 3:
-        return np.arange(cfg.num_moe_layers)
-    return stored_layer_order(cfg)
-
-
-def _from_saved(saved_order: np.ndarray, order: np.ndarray, num_layers: int) -> np.ndarray:
-    """For each slot of the layout `order`, the saved slot holding its layer (-1: padding)."""
-    saved_slot = {int(m): j for j, m in enumerate(saved_order) if m < num_layers}
-    return np.array([saved_slot.get(int(m), -1) for m in order])
+def _as_saved(target, saved: _Saved, new_layer_dims: int):
+    """`target` (abstract, placed) with each MoE leaf shaped as saved: its layer
+    dimensions unsplit, the rest placed as the target places them."""
+    def leaf(a):
+        spec = tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))
+        dims = saved.layer_dims()
+        return jax.ShapeDtypeStruct(dims + a.shape[new_layer_dims:], a.dtype, sharding=NamedSharding(
+            a.sharding.mesh, P(*(None,) * len(dims), *spec[new_layer_dims:])))
+    return map_moe_stack(leaf, target)
 
 
 def saved_config(meta: dict) -> Config:
@@ -240,21 +213,24 @@ def restore(directory: str | Path, steps: Steps, step: int | None = None) -> tup
 
     Returns the state and the data iterator's state. The checkpoint may come
     from another mesh or pipeline layout: orbax reads each device's slice for the
-    new shardings, and the MoE layers are then put in the new layout's order.
+    new shardings; a MoE stack held another way is read whole per layer dimension
+    and reshaped into this layout's (one compiled reshape, pad or slice).
     """
     directory = Path(directory)
     step, meta = read_meta(directory, step)
     check_compatible(meta["config"], steps.cfg, directory / str(step))
     target = abstract_target(steps)
-    saved_order = _saved_order(meta)
-    as_saved = jax.tree_util.tree_map_with_path(
-        lambda p, a: jax.ShapeDtypeStruct((len(saved_order),) + a.shape[1:], a.dtype,
-                                          sharding=_fit(a.sharding, len(saved_order)))
-        if _is_moe(p) else a, target)
-    state = _read_state(directory, step, ocp.args.StandardRestore(as_saved))
-    source = _from_saved(saved_order, stored_layer_order(steps.cfg), steps.cfg.num_moe_layers)
-    shardings = jax.tree.map(lambda a: a.sharding, target)
-    return _take_layers(state, source, shardings), meta["data"]
+    saved, layout = _Saved(meta), steps.layout
+    new_dims = 1 if layout.stack is None else 3
+    same = (saved.stack == layout.stack and saved.format2_slots is None) or (
+        steps.cfg.num_moe_layers == 0)
+    if same:
+        return _read_state(directory, step, ocp.args.StandardRestore(target)), meta["data"]
+    state = _read_state(directory, step, ocp.args.StandardRestore(
+        _as_saved(target, saved, new_dims)))
+    convert = jax.jit(lambda tree: layout.stored(map_moe_stack(saved.in_model_order, tree)),
+                      out_shardings=jax.tree.map(lambda a: a.sharding, target))
+    return convert(state), meta["data"]
 
 
 def restore_weights(directory: str | Path, step: int | None = None) -> tuple[nnx.State, Config]:
@@ -264,17 +240,16 @@ def restore_weights(directory: str | Path, step: int | None = None) -> tuple[nnx
     so it needs a third of `restore`'s memory and works on older formats."""
     directory = Path(directory)
     step, meta = read_meta(directory, step, weights_only=True)
-    cfg = saved_config(meta)
-    saved_order = _saved_order(meta)
+    cfg, saved = saved_config(meta), _Saved(meta)
     _, abs_params, abs_buffers = abstract_model(cfg)
     one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    wanted = jax.tree_util.tree_map_with_path(
-        lambda p, a: jax.ShapeDtypeStruct(((len(saved_order),) + a.shape[1:]) if _is_moe(p)
-                                          else a.shape, a.dtype, sharding=one_device),
-        {"params": abs_params, "buffers": abs_buffers})
+    placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one_device),
+                          {"params": abs_params, "buffers": abs_buffers})
+    wanted = map_moe_stack(lambda a: jax.ShapeDtypeStruct(
+        saved.layer_dims() + a.shape[1:], a.dtype, sharding=one_device), placed)
     weights = _read_state(directory, step, ocp.args.PyTreeRestore(
         wanted, ocp.checkpoint_utils.construct_restore_args(wanted), partial_restore=True))
-    weights = _take_layers(weights, np.argsort(saved_order)[: cfg.num_moe_layers])
+    weights = map_moe_stack(lambda a: np.asarray(saved.in_model_order(a)), weights)
     return nnx.merge_state(weights["params"], weights["buffers"]), cfg
 
 

@@ -216,14 +216,6 @@ class Config:
     def num_moe_layers(self) -> int:
         return self.model.num_layers - self.model.num_dense_layers
 
-    @property
-    def moe_layer_slots(self) -> int:
-        """Stored MoE layers: pipeline stages hold equal chunks, so a layer count that
-        does not divide into mesh.stage x virtual_stages chunks is padded with
-        pass-through slots at the end of the model (their compute is wasted)."""
-        chunks = max(self.mesh.stage, 1) * self.pipeline.virtual_stages
-        return -(-self.num_moe_layers // chunks) * chunks
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

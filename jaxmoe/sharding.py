@@ -97,11 +97,6 @@ def check_divisibility(cfg: Config, mesh: Mesh) -> None:
                           f"micro-batches cannot be split over data x expert = {n_batch} devices")
     if cfg.num_moe_layers:
         check_expert_split(cfg.moe.num_experts, mesh.shape["expert"])
-    chunks = mesh.shape["stage"] * cfg.pipeline.virtual_stages
-    if cfg.num_moe_layers and mesh.shape["stage"] > 1 and cfg.moe_layer_slots % chunks:
-        raise ConfigError(f"mesh.stage: {cfg.num_moe_layers} MoE layers do not split into "
-                          f"{mesh.shape['stage']} equal stages; give mesh.stage explicitly "
-                          "so the stack is padded to fit")
     if cfg.mesh.parallelism == "fsdp" and cfg.model.d_model % mesh.shape["data"]:
         raise ConfigError(f"model.d_model: {cfg.model.d_model} cannot be split over "
                           f"mesh.data={mesh.shape['data']} for fsdp")

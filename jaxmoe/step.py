@@ -20,18 +20,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxmoe import sharding
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.load_metrics import load_metrics
-from jaxmoe.model.transformer import Transformer, stored_layer_order
+from jaxmoe.model.transformer import Transformer
 from jaxmoe.optim import (learning_rate_schedule, make_optimizer, param_names,
                           unmatched_patterns, updates_are_elementwise)
 from jaxmoe.parallel import ddp
-from jaxmoe.parallel.vma import vary, varying_axes
 from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
+from jaxmoe.parallel.vma import vary, varying_axes
 from jaxmoe.sharding import BATCH_AXES
 
 
 class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar
-    params: nnx.State  # trained parameters (fp32 master weights)
+    params: nnx.State  # trained parameters (fp32 master weights), as the layout stores them
     buffers: nnx.State  # non-trained variables: router expert biases
     opt_state: Any
     key: jax.Array  # base PRNG key; each step uses fold_in(key, step)
@@ -44,6 +44,7 @@ class Steps:
 
     cfg: Config
     mesh: Mesh
+    layout: GlobalLayout  # where the state lives (MoE stacks by pipeline stage)
     graphdef: nnx.GraphDef
     state_shardings: TrainState
     batch_sharding: NamedSharding
@@ -52,31 +53,35 @@ class Steps:
     eval_step: Callable[[TrainState, jax.Array], dict]
 
     def model(self, state: TrainState) -> Transformer:
-        """An nnx view of the state's parameters (for notebooks and generation)."""
-        return nnx.merge(self.graphdef, state.params, state.buffers)
+        """An nnx view of the state's parameters, MoE layers in model order (for
+        notebooks and generation)."""
+        return nnx.merge(self.graphdef, self.layout.in_model_order(state.params),
+                         self.layout.in_model_order(state.buffers))
 
 
 def abstract_model(cfg: Config) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, params, buffers) of the model, abstract: the same for every mesh."""
     model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
     return nnx.split(model, nnx.Param, ...)
 
 
 def state_shardings(cfg: Config, layout: GlobalLayout, tx: optax.GradientTransformation,
                     abs_params: nnx.State, abs_buffers: nnx.State) -> TrainState:
-    """Where each part of the state lives.
+    """Where each part of the state lives (`abs_params`, `abs_buffers`: the model's).
 
     ZeRO-1 splits optimizer state over each tensor's replica axes; with bf16
     compute the fp32 master weights are split the same way and a bf16 working
     copy is gathered inside the step.
     """
+    stored = jax.eval_shape(layout.stored, abs_params)
     param_specs = layout.param_specs(abs_params)
-    zero1 = layout.optimizer_specs(abs_params, param_specs)
-    abs_opt = jax.eval_shape(tx.init, abs_params)
+    zero1 = layout.optimizer_specs(stored, param_specs)
+    abs_opt = jax.eval_shape(tx.init, stored)
     # Each copy of the parameter tree in the optimizer state is placed like the
     # parameters' ZeRO-1 shards where its tensors have the parameters' shapes; the
     # rest (step counts, an optax optimizer's factored statistics) is replicated.
     opt_specs = optax.tree_map_params(
-        tx, lambda a, spec, p: spec if a.shape == p.shape else P(), abs_opt, zero1, abs_params,
+        tx, lambda a, spec, p: spec if a.shape == p.shape else P(), abs_opt, zero1, stored,
         transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
     if _sharded_master(cfg):
         param_specs = zero1
@@ -84,29 +89,14 @@ def state_shardings(cfg: Config, layout: GlobalLayout, tx: optax.GradientTransfo
     return sharding.named(layout.mesh, specs)
 
 
-def working_copy(cfg: Config, mesh: Mesh, params: nnx.State, specs: nnx.State) -> nnx.State:
-    """Matrices cast to the compute dtype and placed where they are used; norms and
-    the router stay fp32. The identity for fp32 compute."""
-    if cfg.model.compute_dtype == "float32":
-        return params
-    dtype = jnp.dtype(cfg.model.compute_dtype)
-
-    def cast(path, p, spec):
-        p = p if _stays_fp32(path, p) else p.astype(dtype)
-        return jax.lax.with_sharding_constraint(p, NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(cast, params, specs,
-                                            is_leaf=lambda x: isinstance(x, P))
-
-
-def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout, working: Callable) -> Callable:
-    """`loss_fn(params, buffers, tokens_BxL1, key) -> (loss, (ce, aux))`: the mean
-    next-token loss of the rows given, plus the router losses. `working` turns the
-    parameters into the copy the model computes with."""
+def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout) -> Callable:
+    """`loss_fn(working, buffers, tokens_BxL1, key) -> (loss, (ce, aux))`: the mean
+    next-token loss of the rows given, plus the router losses, of the working copy
+    of the parameters (the one the model computes with)."""
     has_moe, moe = cfg.num_moe_layers > 0, cfg.moe
 
-    def loss_fn(params, buffers, tokens_BxL1, key):
-        model = nnx.merge(graphdef, working(params), buffers)
+    def loss_fn(working, buffers, tokens_BxL1, key):
+        model = nnx.merge(graphdef, working, buffers)
         x, aux = model.hidden(tokens_BxL1[:, :-1], layout=layout, key=key, remat=cfg.train.remat)
         ce = model.cross_entropy(x, tokens_BxL1[:, 1:], layout, cfg.train.loss_chunk)
         ce = ce if layout is None else layout.ce_share(ce)
@@ -172,95 +162,175 @@ def new_buffers(cfg: Config, layout, state: TrainState, aux, finite) -> nnx.Stat
     buffers = state.buffers
     if cfg.num_moe_layers and cfg.moe.expert_bias:
         buffers = update_expert_bias(buffers, aux["counts_E"], cfg.moe.bias_update_rate,
-                                     layout.stored_slots())
+                                     layout.own_share)
     return jax.tree.map(lambda new, old: jnp.where(finite, new, old), buffers, state.buffers)
 
 
-def auto_train_step(cfg: Config, layout: GlobalLayout, loss_fn: Callable, tx, lr_at) -> Callable:
-    """The train step as one auto-sharded program (fsdp, and ddp with pipeline
-    stages): XLA places the reductions."""
+# ---------------------------------------------------------------- the two programs
+
+# Every step: the working copy of the parameters; the gradients summed over the
+# accumulation slices and reduced; the losses and stats totalled; the norm, the
+# finite check and skip; the optimizer's update of the parameters it owns, then
+# gathered. What differs between the programs is each of those verbs:
+
+
+class AutoProgram:
+    """fsdp (and the API's `mesh=`): one program on global arrays; XLA places the
+    reductions (inside the accumulation loop, as it chooses)."""
+
+    def __init__(self, cfg: Config, layout: GlobalLayout, use_specs: nnx.State):
+        self.cfg, self.layout, self.use_specs = cfg, layout, use_specs
+
+    def start(self, step_key, batch_BxL1):
+        return step_key, batch_BxL1
+
+    def working(self, params):
+        return working_copy(self.cfg, self.layout.mesh, params, self.use_specs)
+
+    def reduce(self, grads):
+        return jax.tree.map(lambda g: g / self.cfg.train.accumulation_steps, grads)
+
+    def totals(self, loss, ce, aux):
+        return loss, ce, aux
+
+    def norm(self, grads):
+        return optax.tree.norm(grads)
+
+    def own(self, params):
+        return params
+
+    def gathered(self, params):
+        return params
+
+    def tokens(self, rows_BxL1) -> int:
+        return rows_BxL1.shape[0] * (rows_BxL1.shape[1] - 1)
+
+
+class DeviceProgram:
+    """ddp: one device's program inside a `shard_map` over the whole mesh.
+
+    Each device runs the model on its own rows with its dense replicas and its
+    experts (and stage); gradients accumulate locally and are reduced once at the
+    end, into the ZeRO-1 shards (`jaxmoe.parallel.ddp`), where the optimizer
+    updates them; the new shards are gathered once.
+    """
+
+    def __init__(self, cfg: Config, layout: DeviceLayout, use_specs: nnx.State,
+                 shard_specs: nnx.State):
+        self.cfg, self.layout, self.mesh = cfg, layout, layout.mesh
+        self.plans = ddp.reductions(use_specs, shard_specs, self.mesh)
+        self.sharded_master = _sharded_master(cfg)
+        self.n_batch = self.mesh.shape["data"] * self.mesh.shape["expert"]
+
+    def start(self, step_key, rows_bxL1):
+        # own router jitter; rows, like the weights, vary over every axis (stage
+        # included), so no use of a weight implies a reduction of its gradient
+        return (jax.random.fold_in(step_key, jax.lax.axis_index(BATCH_AXES)),
+                vary(rows_bxL1, ("stage",)))
+
+    def working(self, params):
+        """Cast, then (ZeRO-1 bf16 masters) gathered, then per device: made once a step."""
+        working = jax.tree_util.tree_map_with_path(
+            lambda path, p: p if _stays_fp32(path, p) else p.astype(self.cfg.model.compute_dtype),
+            params)
+        if self.sharded_master:
+            working = jax.tree.map(ddp.gather_shards, working, self.plans)
+        return jax.tree.map(ddp.to_per_device, working, self.plans)
+
+    def reduce(self, grads):
+        scale = 1.0 / (self.n_batch * self.cfg.train.accumulation_steps)
+        return jax.tree.map(lambda g, r: ddp.reduce_gradient(g, r) * scale, grads, self.plans)
+
+    def totals(self, loss, ce, aux):
+        # over every axis: stages hold disjoint layers (zeros elsewhere) and the
+        # last stage's loss (`DeviceLayout.ce_share`)
+        total = lambda v: ddp.psum_everywhere(v, self.mesh.axis_names)  # noqa: E731
+        aux = {k: total(v) / (self.n_batch if k in ("balance_loss", "z_loss") else 1)
+               for k, v in aux.items()}
+        return total(loss) / self.n_batch, total(ce) / self.n_batch, aux
+
+    def norm(self, grads):
+        return ddp.global_norm(grads, self.plans, self.mesh)
+
+    def own(self, params):
+        return params if self.sharded_master else jax.tree.map(ddp.own_shard, params, self.plans)
+
+    def gathered(self, params):
+        return params if self.sharded_master else jax.tree.map(ddp.gather_shards, params,
+                                                               self.plans)
+
+    def tokens(self, rows_bxL1) -> int:
+        return self.n_batch * rows_bxL1.shape[0] * (rows_bxL1.shape[1] - 1)
+
+
+def make_train_step(cfg: Config, program, loss_fn: Callable, tx, lr_at) -> Callable:
+    """The one train step body, for either program."""
 
     def train_step(state: TrainState, batch_BxL1: jax.Array):
-        step_key = jax.random.fold_in(state.key, state.step)
-        grads, loss, ce, aux = accumulate_gradients(loss_fn, cfg, state.params, state.buffers,
-                                                    batch_BxL1, step_key)
-        grads = jax.tree.map(lambda g: g / cfg.train.accumulation_steps, grads)
-        params, opt_state, grad_norm, finite = apply_gradients(tx, state.params, state.opt_state,
-                                                               grads, loss)
+        step_key, rows = program.start(jax.random.fold_in(state.key, state.step), batch_BxL1)
+        grads, loss, ce, aux = accumulate_gradients(loss_fn, cfg, program.working(state.params),
+                                                    state.buffers, rows, step_key)
+        grads = program.reduce(grads)
+        loss, ce, aux = program.totals(loss, ce, aux)
+        grad_norm = program.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state = _update(tx, program.own(state.params), state.opt_state, grads,
+                                    grad_norm, finite)
         # The rate this update used: the schedule runs on the optimizer's count,
         # which skipped steps do not advance.
-        metrics = step_metrics(cfg, layout, loss, ce, aux, grad_norm, lr_at(state.opt_state.count),
-                               finite, batch_BxL1.shape[0] * (batch_BxL1.shape[1] - 1))
+        metrics = step_metrics(cfg, program.layout, loss, ce, aux, grad_norm,
+                               lr_at(state.opt_state.count), finite, program.tokens(rows))
         bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
         metrics["bad_steps"] = bad_steps
-        return TrainState(state.step + 1, params, new_buffers(cfg, layout, state, aux, finite),
-                          opt_state, state.key, bad_steps), metrics
+        return TrainState(state.step + 1, program.gathered(params),
+                          new_buffers(cfg, program.layout, state, aux, finite), opt_state,
+                          state.key, bad_steps), metrics
 
     return train_step
 
 
-def ddp_train_step(cfg: Config, layout: DeviceLayout, specs: TrainState, use_specs: nnx.State,
-                   shard_specs: nnx.State, loss_fn: Callable, tx, lr_at) -> Callable:
-    """The ddp train step as one per-device program over the whole mesh.
+def make_eval_step(program, loss_fn: Callable) -> Callable:
+    """Held-out cross-entropy through the same program as training."""
 
-    Each device runs the model on its own rows with its dense replicas and its
-    experts; gradients accumulate locally over the accumulation steps and are reduced
-    once at the end, into the ZeRO-1 shards (`jaxmoe.parallel.ddp`), where the
-    optimizer updates them; the new shards are gathered once. `specs`: the state's
-    PartitionSpecs; `use_specs`: where the parameters are used; `shard_specs`: where
-    their optimizer state lives (`GlobalLayout.optimizer_specs`).
-    """
-    mesh = layout.mesh
-    plans = ddp.reductions(use_specs, shard_specs, mesh)
-    sharded_master = _sharded_master(cfg)
-    n_batch = mesh.shape["data"] * mesh.shape["expert"]
-    A = cfg.train.accumulation_steps
+    def eval_step(state: TrainState, batch_BxL1: jax.Array):
+        _, rows = program.start(state.key, batch_BxL1)
+        _, (ce, aux) = loss_fn(program.working(state.params), state.buffers, rows, None)
+        _, ce, _ = program.totals(ce, ce, {})
+        return {"ce": ce}
 
-    def tree_map(fn, tree, plans):  # plans: a Reduction where `tree` has an array
-        return jax.tree.map(fn, tree, plans)
+    return eval_step
 
-    def local_step(state: TrainState, rows_bxL1: jax.Array):
-        step_key = jax.random.fold_in(state.key, state.step)
-        step_key = jax.random.fold_in(step_key, jax.lax.axis_index(BATCH_AXES))  # own jitter
-        # rows, like the weights, vary over every axis (stage included), so no
-        # use of a weight implies a reduction of its gradient
-        rows_bxL1 = vary(rows_bxL1, ("stage",))
-        # The working copy, made once per step: cast, then (ZeRO-1 bf16 masters) gathered.
-        working = jax.tree_util.tree_map_with_path(
-            lambda path, p: p if _stays_fp32(path, p) else p.astype(cfg.model.compute_dtype),
-            state.params)
-        if sharded_master:
-            working = tree_map(ddp.gather_shards, working, plans)
-        working = tree_map(ddp.to_per_device, working, plans)
-        grads, loss, ce, aux = accumulate_gradients(loss_fn, cfg, working, state.buffers,
-                                                    rows_bxL1, step_key)
-        scale = 1.0 / (n_batch * A)
-        grads = tree_map(lambda g, r: ddp.reduce_gradient(g, r) * scale, grads, plans)
-        # over every axis: stages hold disjoint layers (zeros elsewhere) and the
-        # last stage's loss (`DeviceLayout.ce_share`)
-        total = lambda v: ddp.psum_everywhere(v, mesh.axis_names)  # noqa: E731
-        loss, ce = total(loss) / n_batch, total(ce) / n_batch
-        aux = {k: total(v) / (n_batch if k in ("balance_loss", "z_loss") else 1)
-               for k, v in aux.items()}
-        grad_norm = ddp.global_norm(grads, plans, mesh)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        params = state.params if sharded_master else tree_map(ddp.own_shard, state.params, plans)
-        with jax.named_scope("optimizer"):
-            updates, opt_state = tx.update(grads, state.opt_state, params, skip=~finite,
-                                           grad_norm=grad_norm)
-            params = optax.apply_updates(params, updates)
-        if not sharded_master:
-            params = tree_map(ddp.gather_shards, params, plans)
-        B, L1 = rows_bxL1.shape
-        metrics = step_metrics(cfg, layout, loss, ce, aux, grad_norm, lr_at(state.opt_state.count),
-                               finite, n_batch * B * (L1 - 1))
-        bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
-        metrics["bad_steps"] = bad_steps
-        return TrainState(state.step + 1, params, new_buffers(cfg, layout, state, aux, finite),
-                          opt_state, state.key, bad_steps), metrics
 
-    return jax.shard_map(local_step, mesh=mesh, in_specs=(specs, P(BATCH_AXES)),
-                         out_specs=(specs, P()), check_vma=True)
+def _update(tx, params, opt_state, grads, grad_norm, finite):
+    """The optimizer's step; a non-finite loss or gradient changes nothing (the
+    optimizer applies the skip inside its fused update)."""
+    with jax.named_scope("optimizer"):
+        updates, opt_state = tx.update(grads, opt_state, params, skip=~finite,
+                                       grad_norm=grad_norm)
+        return optax.apply_updates(params, updates), opt_state
+
+
+def apply_gradients(tx: optax.GradientTransformationExtraArgs, params, opt_state, grads,
+                    loss: jax.Array) -> tuple[Any, Any, jax.Array, jax.Array]:
+    """One program's parameter update: (params, opt_state, grad_norm, finite)."""
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    return *_update(tx, params, opt_state, grads, grad_norm, finite), grad_norm, finite
+
+
+def working_copy(cfg: Config, mesh: Mesh, params: nnx.State, specs: nnx.State) -> nnx.State:
+    """Matrices cast to the compute dtype and placed where they are used; norms and
+    the router stay fp32. The identity for fp32 compute."""
+    if cfg.model.compute_dtype == "float32":
+        return params
+    dtype = jnp.dtype(cfg.model.compute_dtype)
+
+    def cast(path, p, spec):
+        p = p if _stays_fp32(path, p) else p.astype(dtype)
+        return jax.lax.with_sharding_constraint(p, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(cast, params, specs,
+                                            is_leaf=lambda x: isinstance(x, P))
 
 
 def _stays_fp32(path, p) -> bool:
@@ -274,7 +344,7 @@ def _sharded_master(cfg: Config) -> bool:
 
 
 def uses_per_device_step(cfg: Config) -> bool:
-    """ddp trains with the per-device step, pipelines included."""
+    """ddp trains (and evaluates) with the per-device program, pipelines included."""
     return cfg.mesh.parallelism == "ddp"
 
 
@@ -288,55 +358,41 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
     shardings = state_shardings(cfg, layout, tx, abs_params, abs_buffers)
     batch_sh = layout.batch_sharding
     use_specs = layout.param_specs(abs_params)
-    shard_specs = layout.optimizer_specs(abs_params, use_specs)
+    shard_specs = layout.optimizer_specs(jax.eval_shape(layout.stored, abs_params), use_specs)
     check_optimizer(cfg, mesh, abs_params, shard_specs)
-    global_loss = make_loss_fn(cfg, graphdef, layout,
-                               lambda p: working_copy(cfg, mesh, p, use_specs))
 
     def init(key):
-        model = Transformer(cfg, nnx.Rngs(params=key))
+        model = Transformer(cfg, nnx.Rngs(params=key))  # model order: the same on any mesh
         _, params, buffers = nnx.split(model, nnx.Param, ...)
+        params, buffers = layout.stored(params), layout.stored(buffers)
         zero = jnp.zeros((), jnp.int32)
         return TrainState(zero, params, buffers, tx.init(params), key, zero)
 
     if uses_per_device_step(cfg):
+        device_layout = DeviceLayout(mesh, cfg)
+        program = DeviceProgram(cfg, device_layout, use_specs, shard_specs)
+        loss_fn = make_loss_fn(cfg, graphdef, device_layout)
         specs = jax.tree.map(lambda s: s.spec, shardings,
                              is_leaf=lambda x: isinstance(x, NamedSharding))
-        device_layout = DeviceLayout(mesh, cfg)
-        local_loss = make_loss_fn(cfg, graphdef, device_layout, lambda p: p)
-        train_step = ddp_train_step(cfg, device_layout, specs, use_specs, shard_specs, local_loss,
-                                    tx, lr_at)
+        per_device = lambda f, out: jax.shard_map(  # noqa: E731
+            f, mesh=mesh, in_specs=(specs, P(BATCH_AXES)), out_specs=out, check_vma=True)
+        train_step = per_device(make_train_step(cfg, program, loss_fn, tx, lr_at), (specs, P()))
+        eval_step = per_device(make_eval_step(program, loss_fn), P())
     else:
-        train_step = auto_train_step(cfg, layout, global_loss, tx, lr_at)
-
-    def eval_step(state: TrainState, batch_BxL1: jax.Array):
-        _, (ce, _) = global_loss(state.params, state.buffers, batch_BxL1, None)
-        return {"ce": ce}
+        program = AutoProgram(cfg, layout, use_specs)
+        loss_fn = make_loss_fn(cfg, graphdef, layout)
+        train_step = make_train_step(cfg, program, loss_fn, tx, lr_at)
+        eval_step = make_eval_step(program, loss_fn)
 
     rep = sharding.replicated(mesh)
     return Steps(
-        cfg=cfg, mesh=mesh, graphdef=graphdef, state_shardings=shardings, batch_sharding=batch_sh,
+        cfg=cfg, mesh=mesh, layout=layout, graphdef=graphdef, state_shardings=shardings,
+        batch_sharding=batch_sh,
         init=jax.jit(init, in_shardings=rep, out_shardings=shardings),
         train_step=jax.jit(train_step, in_shardings=(shardings, batch_sh),
                            out_shardings=(shardings, rep), donate_argnums=0),
         eval_step=jax.jit(eval_step, in_shardings=(shardings, batch_sh), out_shardings=rep),
     )
-
-
-def apply_gradients(tx: optax.GradientTransformationExtraArgs, params, opt_state, grads,
-                    loss: jax.Array) -> tuple[Any, Any, jax.Array, jax.Array]:
-    """The step's parameter update: (params, opt_state, grad_norm, finite).
-
-    A non-finite loss or gradient norm changes nothing (the step counter and the
-    data position still move on); the optimizer applies the skip inside its
-    fused update.
-    """
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    with jax.named_scope("optimizer"):
-        updates, opt_state = tx.update(grads, opt_state, params, skip=~finite,
-                                       grad_norm=grad_norm)
-        return optax.apply_updates(params, updates), opt_state, grad_norm, finite
 
 
 def check_optimizer(cfg: Config, mesh: Mesh, abs_params: nnx.State, shard_specs: nnx.State) -> None:
@@ -361,18 +417,16 @@ def check_optimizer(cfg: Config, mesh: Mesh, abs_params: nnx.State, shard_specs:
 
 
 def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float,
-                       order: np.ndarray | None = None) -> nnx.State:
+                       place: Callable = lambda delta: delta) -> nnx.State:
     """Aux-loss-free balancing: nudge each expert's selection bias toward mean load.
 
-    Uses the step's requested counts summed over the global batch (XLA reduces
-    them across devices), once per optimizer step, however often a layer was
-    recomputed. order: model layer of each slot of `buffers` (pipelines store
-    layers by stage and may pad); counts come in model order.
+    Uses the step's requested counts summed over the global batch, in model order,
+    once per optimizer step, however often a layer was recomputed. `place` puts the
+    model-order updates where `buffers` hold their layers (a layout's `own_share`:
+    a pipeline stage's chunks, zero for padding slots).
     """
     counts = counts_LxE.astype(jnp.float32)
-    delta = rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
-    if order is not None:  # padding slots (order >= L) get no update
-        delta = jnp.concatenate([delta, jnp.zeros_like(delta[:1])])[jnp.minimum(order, len(delta))]
+    delta = place(rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts))
 
     def nudge(path, b):  # a new tree: the step's input state must stay untouched
         return b + delta if "router" in jax.tree_util.keystr(path) else b
@@ -382,42 +436,30 @@ def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float,
 
 def with_weights(steps: Steps, state: TrainState, weights: dict) -> TrainState:
     """`state` with these weights: a plain dict in model order, router biases included
-    (what `jaxmoe.load_params` and `jaxmoe.hf.load_hf` give), laid out as this
-    config's stacks store them and placed on the mesh. The optimizer state stays."""
-    order = stored_layer_order(steps.cfg)
-    real = order < steps.cfg.num_moe_layers
-
-    def stored(tree, moe):
-        if isinstance(tree, dict):
-            return {k: stored(v, moe or k == "moe_layers") for k, v in tree.items()}
-        a = np.asarray(tree, np.float32)
-        if not moe:
-            return a
-        out = np.zeros((len(order),) + a.shape[1:], np.float32)  # pipeline padding: zeros
-        out[real] = a[order[real]]
-        return out
-
-    weights = stored(weights, False)
-    params, buffers = state.params, state.buffers
+    (what `jaxmoe.load_params` and `jaxmoe.hf.load_hf` give), stored as the layout
+    keeps them and placed on the mesh. The optimizer state stays."""
+    _, abs_params, abs_buffers = abstract_model(steps.cfg)
+    params, buffers = abs_params, abs_buffers
     params.replace_by_pure_dict(_only(weights, params.to_pure_dict()))
     buffers.replace_by_pure_dict(_only(weights, buffers.to_pure_dict()))
     shardings = steps.state_shardings
-    return state._replace(params=jax.device_put(params, shardings.params),
-                          buffers=jax.device_put(buffers, shardings.buffers))
+    stored = jax.jit(steps.layout.stored)
+    return state._replace(params=jax.device_put(stored(params), shardings.params),
+                          buffers=jax.device_put(stored(buffers), shardings.buffers))
 
 
 def _only(weights: dict, like: dict) -> dict:
-    """The entries of `weights` that `like` has (params or buffers), shapes checked."""
-    out = {}
-    for k, v in like.items():
-        if k not in weights:
-            raise ValueError(f"weights: {k} missing")
-        if isinstance(v, dict):
-            out[k] = _only(weights[k], v)
-        elif np.shape(weights[k]) != np.shape(v):
-            raise ValueError(f"weights: {k} has shape {np.shape(weights[k])}, the model "
-                             f"{np.shape(v)}")
-        else:
-            out[k] = weights[k]
-    return out
+    """The entries of `weights` that `like` has (params or buffers), shapes checked,
+    as float32 arrays."""
+    got = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_leaves_with_path(weights)}
 
+    def take(path, want):
+        key = jax.tree_util.keystr(path)
+        if key not in got:
+            raise ValueError(f"weights: {key} missing")
+        if np.shape(got[key]) != np.shape(want):
+            raise ValueError(f"weights: {key} has shape {np.shape(got[key])}, the model "
+                             f"{np.shape(want)}")
+        return np.asarray(got[key], np.float32)
+
+    return jax.tree_util.tree_map_with_path(take, like)

@@ -178,13 +178,13 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                 if t.eval_every and step % t.eval_every == 0 and step != t.steps:
                     monitor.log({"step": step, "eval_ce": evaluate(steps, state, eval_set)})
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != end:
-                    checkpoint.save(manager, state, batches.state(), cfg)
+                    checkpoint.save(manager, state, batches.state(), steps)
             check = jax.process_count() == 1 or step % cfg.logging.log_every == 0
             if check and distributed.any_process(signals.received is not None):
                 stop = signals.received or "a signal to another process"
                 break
     if int(state.step) not in (manager.all_steps() or []):
-        checkpoint.save(manager, state, batches.state(), cfg)
+        checkpoint.save(manager, state, batches.state(), steps)
     manager.wait_until_finished()
     summary |= {"step": int(state.step), "tokens_per_s": record.get("tokens_per_s")}
     if stop or int(state.step) < t.steps:

@@ -175,7 +175,7 @@ def test_bias_lives_outside_optimizer_and_survives_checkpoint(tmp_path):
     bias = np.asarray(state.buffers["moe_layers"]["moe"]["router"]["bias"][...])
     assert np.abs(bias).max() == pytest.approx(0.01)
     manager = checkpoint.checkpoint_manager(tmp_path, cfg)
-    checkpoint.save(manager, state, {"step": 1}, cfg)
+    checkpoint.save(manager, state, {"step": 1}, steps)
     manager.wait_until_finished()
     restored, data = checkpoint.restore(checkpoint.checkpoint_dir(tmp_path), steps)
     np.testing.assert_array_equal(restored.buffers["moe_layers"]["moe"]["router"]["bias"][...], bias)

@@ -19,7 +19,9 @@ from flax import nnx
 from jaxmoe import checkpoint
 from jaxmoe.config import config_from_dict
 from jaxmoe.data import load_corpus
+from jaxmoe.model.transformer import map_moe_stack
 from jaxmoe.optim import learning_rate_schedule
+from jaxmoe.parallel.pipeline import StageStack
 from jaxmoe.sharding import make_mesh
 from jaxmoe.step import build_steps
 from jaxmoe.train import TooManyBadSteps, train
@@ -133,7 +135,7 @@ def test_restore_into_another_mesh(tmp_path):
     batch = np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)
     state, _ = steps8.train_step(state, jax.device_put(batch, steps8.batch_sharding))
     manager = checkpoint.checkpoint_manager(tmp_path, cfg8)
-    checkpoint.save(manager, state, {"step": 1}, cfg8)
+    checkpoint.save(manager, state, {"step": 1}, steps8)
     manager.wait_until_finished()
     saved = _state_values(state)
     for data, expert in [(2, 4), (4, 2)]:
@@ -148,48 +150,61 @@ def test_restore_into_another_mesh(tmp_path):
         assert np.isfinite(float(metrics["loss"])) and int(restored.step) == 2
 
 
-# 6 MoE layers on 2 stages x 2 virtual stages: stored device-major in 8 slots, 2 of
-# them pass-through padding
+# 6 MoE layers on 2 stages x 2 virtual stages: held as [2, 2, 2], 2 slots of padding
 CIRCULAR = {**SMALL, "model": {**SMALL["model"], "num_layers": 7},
             "moe": {**SMALL["moe"], "dispatcher": "alltoall"},
             "mesh": {"data": 2, "stage": 2, "expert": 2},
             "pipeline": {"virtual_stages": 2, "stage_microbatches": 2}}
 
 
+def _write(run, cfg, state, version, meta=None):
+    """A checkpoint of `state` as format `version` wrote it (state laid out already)."""
+    manager = checkpoint.checkpoint_manager(run, cfg)
+    manager.save(1, args=checkpoint.ocp.args.Composite(
+        state=checkpoint.ocp.args.StandardSave(state),
+        meta=checkpoint.ocp.args.JsonSave({"format_version": version, "data": {"step": 1},
+                                           **(meta or {})})))
+    manager.wait_until_finished()
+
+
 def test_a_circular_pipeline_checkpoint_resumes_under_other_layouts(tmp_path):
-    from jaxmoe.model.transformer import stored_layer_order
     cfg = config_from_dict(CIRCULAR)
-    order = stored_layer_order(cfg)
-    assert list(order) == [0, 1, 4, 5, 2, 3, 6, 7]  # teeth: neither model order nor unpadded
     steps = build_steps(cfg, make_mesh(cfg.mesh))
+    assert steps.layout.stack == StageStack(2, 2, 2)  # teeth: neither [Lm] nor unpadded
     state = steps.init(jax.random.PRNGKey(0))
     batch = np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)
     state, _ = steps.train_step(state, jax.device_put(batch, steps.batch_sharding))
-    saved = _state_values(state)
-    for version in (checkpoint.FORMAT_VERSION, 2):  # 2 wrote the pipeline's own layout
+    model = in_model_order(_state_values(state), cfg)  # what every layout must restore
+    # format 3 held model order; format 2 the pipeline's stage-major slots, padded
+    slots = np.array([0, 1, 4, 5, 2, 3, 6, 7])
+    as_format = {
+        checkpoint.FORMAT_VERSION: None,
+        3: jax.device_get(steps.layout.in_model_order(state)),
+        2: map_moe_stack(lambda a: np.asarray(a).reshape((8,) + a.shape[3:])[slots],
+                         jax.device_get(state))}
+    for version, laid_out in as_format.items():
         run = tmp_path / f"v{version}"
-        manager = checkpoint.checkpoint_manager(run, cfg)
-        if version == 2:
-            manager.save(1, args=checkpoint.ocp.args.Composite(
-                state=checkpoint.ocp.args.StandardSave(state),
-                meta=checkpoint.ocp.args.JsonSave({"format_version": 2, "data": {"step": 1},
-                                                   "config": _format_2_config(cfg)})))
+        if laid_out is None:
+            manager = checkpoint.checkpoint_manager(run, cfg)
+            checkpoint.save(manager, state, {"step": 1}, steps)
+            manager.wait_until_finished()
         else:
-            checkpoint.save(manager, state, {"step": 1}, cfg)
-        manager.wait_until_finished()
+            config = _format_2_config(cfg) if version == 2 else cfg.to_dict()
+            _write(run, cfg, laid_out, version, {"config": config})
         for mesh, dispatcher in [({"data": 8}, "grouped"), ({"data": 4, "expert": 2}, "alltoall")]:
             other = config_from_dict({**CIRCULAR, "mesh": mesh, "pipeline": {},
                                       "moe": {**CIRCULAR["moe"], "dispatcher": dispatcher}})
             other_steps = build_steps(other, make_mesh(other.mesh))
             restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(run), other_steps)
-            chex.assert_trees_all_equal(_state_values(restored), in_model_order(saved, cfg))
+            chex.assert_trees_all_equal(_state_values(restored), model)
         # and back into the circular layout: the same state, padding zeroed
         restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(run), steps)
-        pads = order >= cfg.num_moe_layers
-        chex.assert_trees_all_equal(in_model_order(_state_values(restored), cfg),
-                                    in_model_order(saved, cfg))
+        chex.assert_trees_all_equal(in_model_order(_state_values(restored), cfg), model)
+        pads = ~np.asarray(steps.layout.stack.real(cfg.num_moe_layers))
         moe = jax.tree.leaves(_state_values(restored)[0]["moe_layers"])
-        assert all(not np.any(a[pads]) for a in moe)
+        assert all(not np.any(np.asarray(a)[pads]) for a in moe)
+        weights, _ = checkpoint.restore_weights(checkpoint.checkpoint_dir(run))
+        chex.assert_trees_all_equal(jax.device_get(weights), nnx.merge_state(model[0], model[2]))
     # and trains on in another layout
     restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(run), other_steps)
     restored, metrics = other_steps.train_step(restored,
@@ -246,7 +261,7 @@ def test_a_format_1_checkpoint_loads_its_weights_but_does_not_resume(tmp_path, m
     old = state._replace(opt_state=chained.init(state.params))
     monkeypatch.setattr(checkpoint, "FORMAT_VERSION", 1)
     manager = checkpoint.checkpoint_manager(tmp_path, cfg)
-    checkpoint.save(manager, old, {"step": 0}, cfg)
+    checkpoint.save(manager, old, {"step": 0}, steps)
     manager.wait_until_finished()
     monkeypatch.undo()
     weights, saved_cfg = checkpoint.restore_weights(checkpoint.checkpoint_dir(tmp_path))

@@ -424,7 +424,7 @@ def test_ddp_step_with_lion_and_bf16_mu_trains_skips_and_restores(tmp_path, monk
     assert mu.dtype == jnp.bfloat16 and "data" in str(mu.sharding.spec)  # a ZeRO-1 shard
 
     manager = checkpoint.checkpoint_manager(tmp_path, cfg)
-    checkpoint.save(manager, state, {"step": 2}, cfg)
+    checkpoint.save(manager, state, {"step": 2}, steps)
     manager.wait_until_finished()
     restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(tmp_path), steps)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.opt_state),

@@ -15,9 +15,11 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from jaxmoe.config import ConfigError, config_from_dict
 from jaxmoe.parallel.layout import layout_for
-from jaxmoe.parallel.pipeline import bubble_fraction
+from jaxmoe.parallel.pipeline import StageStack, bubble_fraction
 from jaxmoe.sharding import make_mesh, per_device_shapes
 from jaxmoe.step import build_steps
+
+from model_order import in_model_order, same_init
 
 BASE = {
     "model": {"d_model": 32, "num_layers": 5, "num_heads": 4, "num_kv_heads": 2,
@@ -48,7 +50,7 @@ def _model(mesh_cfg, pipeline_microbatches=1, dispatcher="dense", devices=None):
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
         return ce + 0.01 * jnp.mean(aux["balance_loss"]) + 0.001 * jnp.mean(aux["z_loss"]), aux
 
-    return loss, state
+    return loss, state, cfg
 
 
 def _grads(loss, state, remat="none"):
@@ -58,8 +60,10 @@ def _grads(loss, state, remat="none"):
 
 
 def _loss_and_grads(mesh_cfg, pipeline_microbatches=1, dispatcher="dense", devices=None):
-    loss, state = _model(mesh_cfg, pipeline_microbatches, dispatcher, devices)
-    return (*_grads(loss, state), state)
+    """(loss, aux, gradients in model order, state)."""
+    loss, state, cfg = _model(mesh_cfg, pipeline_microbatches, dispatcher, devices)
+    value, aux, grads = _grads(loss, state)
+    return value, aux, in_model_order(grads, cfg), state
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +95,8 @@ def test_pipeline_equals_sequential(sequential, mesh, micro, dispatcher):
     S = mesh["stage"]
     w = state.params["moe_layers"]["moe"]["experts"]["w_gate_up"][...]
     E_local = 8 // mesh.get("expert", 1)
-    assert per_device_shapes(w) == {(4 // S, E_local) + w.shape[2:]}
+    assert w.shape[:3] == (1, S, 4 // S)  # [V, S, per]
+    assert per_device_shapes(w) == {(1, 1, 4 // S, E_local) + w.shape[4:]}
     dense = state.params["dense_layers"]["attn"]["w_q"][...]
     assert per_device_shapes(dense) == {dense.shape}  # dense prefix layer is replicated
 
@@ -106,7 +111,7 @@ def _scan_residuals(loss, params, remat):
 
 def test_pipeline_remat_equals_no_remat_and_keeps_only_the_buffers():
     S, M, B, L, D = 2, 4, 16, 16, 32
-    loss, state = _model({"data": 4, "stage": 2}, M, "grouped")
+    loss, state, _ = _model({"data": 4, "stage": 2}, M, "grouped")
     value, aux, grads = _grads(loss, state, "none")
     remat_value, remat_aux, remat_grads = _grads(loss, state, "full")
     # the same ops recomputed; XLA's fusions may only reorder fp32 sums of a few hundred terms
@@ -141,13 +146,24 @@ def test_pipeline_train_step_matches_and_zero1_applies(sequential):
 def test_pipeline_config_errors():
     with pytest.raises(ConfigError, match="^mesh.stage: 4 MoE layers cannot fill 8"):
         config_from_dict({**BASE, "mesh": {"data": 1, "stage": 8}})
-    assert config_from_dict({**BASE, "mesh": {"data": 1, "stage": 3}}).moe_layer_slots == 6
-    open_stage = config_from_dict({**BASE, "model": {**BASE["model"], "num_layers": 4},
-                                   "mesh": {"data": 1, "stage": -1}})
-    with pytest.raises(ConfigError, match="^mesh.stage: 3 MoE layers do not split into 8"):
-        build_steps(open_stage, make_mesh(open_stage.mesh))
+    # 4 MoE layers on 3 stages: padded to 3 chunks of 2, whatever says the stage count
+    open_stage = config_from_dict({**BASE, "mesh": {"data": 2, "stage": -1}})
+    steps = build_steps(open_stage, make_mesh(open_stage.mesh, jax.devices()[:6]))
+    assert steps.layout.stack == StageStack(1, 3, 2)
     with pytest.raises(ConfigError, match="^pipeline.stage_microbatches"):
         config_from_dict({**BASE, "pipeline": {"stage_microbatches": 3}})
+
+
+def test_stage_stack_flattens_to_model_order():
+    """[V, S, per]: chunk v S + s on stage s holds model layers (v S + s) per + j."""
+    stack = StageStack.of(7, 2, 2)  # 7 layers in 2 x 2 chunks of 2: one pad
+    assert stack == StageStack(2, 2, 2) and stack.slots == 8
+    a = jnp.arange(7)
+    held = np.asarray(stack.stored(a))
+    np.testing.assert_array_equal(held[1, 0], [4, 5])  # round 1 of stage 0: chunk 2
+    np.testing.assert_array_equal(held[0, 1], [2, 3])  # round 0 of stage 1: chunk 1
+    assert held[1, 1, 1] == 0 and not np.asarray(stack.real(7))[1, 1, 1]  # the pad
+    np.testing.assert_array_equal(stack.model(stack.stored(a), 7), a)
 
 
 def test_bubble_fraction():
@@ -159,94 +175,84 @@ def test_bubble_fraction():
     (2, 2, "dense", 1, 8, "compute"), (4, 2, "grouped", 1, 8, "compute"),
     (2, 2, "alltoall", 2, 8, "compute"),
     (4, 1, "grouped", 1, 7, "compute"), (2, 2, "alltoall", 2, 6, "mxfp8")])  # 7, 6: padded
-def test_stage_major_layouts_equal_sequential(stages, virtual, dispatcher, expert, moe_layers, precision):
-    from jaxmoe.model.transformer import stored_layer_order
+def test_stage_held_stacks_equal_sequential(stages, virtual, dispatcher, expert, moe_layers,
+                                            precision):
+    """Each layout's init is the sequential model's (same seed, model order), each
+    stage holds its own chunks only, and loss, gradients and router stats match."""
     raw = {**BASE, "model": {**BASE["model"], "num_layers": moe_layers + 1},
            "moe": {**BASE["moe"], "dispatcher": dispatcher, "expert_precision": precision},
            "mesh": {"data": 8 // stages // expert, "stage": stages, "expert": expert},
            "pipeline": {"stage_microbatches": 4, "virtual_stages": virtual}}
     cfg = config_from_dict(raw)
-    assert cfg.moe_layer_slots == 8
     mesh = make_mesh(cfg.mesh)
     steps = build_steps(cfg, mesh)
+    stack = steps.layout.stack
+    assert stack.slots == 8 and (stack.virtual, stack.stages) == (virtual, stages)
     state = steps.init(jax.random.PRNGKey(0))
     tokens = jax.device_put(TOKENS, steps.batch_sharding)
     w = state.params["moe_layers"]["moe"]["experts"]["w_gate_up"][...]
-    assert per_device_shapes(w) == {(8 // stages, 8 // expert) + w.shape[2:]}  # own chunks only
+    assert w.shape[:4] == (virtual, stages, 8 // (stages * virtual), 8)
+    assert per_device_shapes(w) == {(virtual, 1) + w.shape[2:3] + (8 // expert,) + w.shape[4:]}
 
-    def loss(graphdef, params, buffers, mesh):
+    def loss(graphdef, params, buffers, mesh, cfg):
         logits, aux = nnx.merge(graphdef, params, buffers)(tokens[:, :-1],
                                                            layout=layout_for(cfg, mesh))
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
         return ce + 0.01 * jnp.mean(aux["balance_loss"]), aux
 
-    grad = lambda g, m: jax.jit(jax.value_and_grad(  # noqa: E731
-        lambda p, b: loss(g, p, b, m), has_aux=True))
-    (value, aux), grads = grad(steps.graphdef, mesh)(state.params, state.buffers)
-    # the same weights in model order, through the plain sequential scan
+    grad = lambda g, m, c: jax.jit(jax.value_and_grad(  # noqa: E731
+        lambda p, b: loss(g, p, b, m, c), has_aux=True))
+    (value, aux), grads = grad(steps.graphdef, mesh, cfg)(state.params, state.buffers)
+    # the sequential model from the same seed: the same weights, in model order
     seq_cfg = config_from_dict({**raw, "mesh": {"data": 1}, "pipeline": {},
                                 "moe": {**raw["moe"], "dispatcher": "dense"}})
     seq = build_steps(seq_cfg, make_mesh(seq_cfg.mesh, jax.devices()[:1]))
-    stored = stored_layer_order(cfg)
-    order = np.argsort(stored)[:moe_layers]
-    to_model = lambda tree: jax.tree.map(  # noqa: E731
-        lambda a: np.asarray(a)[order] if a.shape[:1] == (8,) else np.asarray(a),
-        jax.device_get(tree))
-    seq_params, seq_buffers = jax.device_get(state.params), jax.device_get(state.buffers)
-    seq_params["moe_layers"] = to_model(seq_params["moe_layers"])
-    if "moe_layers" in seq_buffers:
-        seq_buffers["moe_layers"] = to_model(seq_buffers["moe_layers"])
-    (ref_value, ref_aux), ref_grads = grad(seq.graphdef, None)(seq_params, seq_buffers)
+    seq_state = seq.init(jax.random.PRNGKey(0))
+    same_init(in_model_order(jax.device_get((state.params, state.buffers)), cfg),
+              jax.device_get((seq_state.params, seq_state.buffers)))
+    (ref_value, ref_aux), ref_grads = grad(seq.graphdef, None, seq_cfg)(seq_state.params,
+                                                                        seq_state.buffers)
     assert float(value) == pytest.approx(float(ref_value), rel=1e-5)
     got = jax.device_get(grads)
-    pads = np.flatnonzero(stored >= moe_layers)
+    pads = ~np.asarray(stack.real(moe_layers))
     jax.tree.map(lambda a: np.testing.assert_array_equal(a[pads], 0), got["moe_layers"])
-    got["moe_layers"] = to_model(got["moe_layers"])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6),
-                 got, jax.device_get(ref_grads))
+                 in_model_order(got, cfg), jax.device_get(ref_grads))
     np.testing.assert_array_equal(aux["counts_E"], ref_aux["counts_E"])  # model layer order
     assert aux["counts_E"].shape[0] == moe_layers
-    # teeth: the stored layout really differs from model order
-    assert not np.array_equal(stored, np.arange(moe_layers))
 
 
-def test_expert_bias_update_lands_on_the_stored_slot():
-    """Counts come in model order; a circular, padded stack stores layers by stage."""
-    from jaxmoe.parallel.pipeline import layer_order
+def test_expert_bias_update_lands_on_its_stage_chunk():
+    """Counts come in model order; a circular, padded stack holds layers by stage."""
     from jaxmoe.step import update_expert_bias
-    stored = layer_order(8, 2, 2)  # 7 real layers + 1 pad: [0, 1, 4, 5, 2, 3, 6, 7]
+    stack = StageStack.of(7, 2, 2)  # 7 real layers + 1 pad
     counts_LxE = np.zeros((7, 4), np.int32)
     counts_LxE[4, 0] = 8  # model layer 4 overloads expert 0
-    buffers = {"router": {"bias": jnp.zeros((8, 4))}}
-    new = np.asarray(update_expert_bias(buffers, counts_LxE, 0.1, stored)["router"]["bias"])
-    slot = int(np.flatnonzero(stored == 4)[0])
-    assert slot == 2 and new[slot, 0] < 0 and (new[slot, 1:] > 0).all()
-    others = np.delete(np.arange(8), slot)
-    np.testing.assert_array_equal(new[others], 0)  # balanced layers and the pad stay put
+    buffers = {"router": {"bias": jnp.zeros((2, 2, 2, 4))}}
+    new = np.array(update_expert_bias(buffers, counts_LxE, 0.1, stack.stored)["router"]["bias"])
+    # model layer 4 is chunk 2's first layer: round 1 of stage 0
+    assert new[1, 0, 0, 0] < 0 and (new[1, 0, 0, 1:] > 0).all()
+    new[1, 0, 0] = 0
+    np.testing.assert_array_equal(new, 0)  # balanced layers and the pad stay put
 
 
-def test_each_stage_device_holds_its_row_of_the_stored_slots():
-    """Inside the ddp step the bias update reads each device's own slots: stage s
-    holds row s of the stored layout (circular and padded here)."""
+def test_each_stage_device_holds_its_own_chunks_of_an_update():
+    """Inside the ddp step a per-layer update reaches each device as its stage's
+    chunks (circular and padded here)."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxmoe.model.transformer import stored_layer_order
     from jaxmoe.parallel.layout import DeviceLayout
     cfg = config_from_dict({**BASE, "model": {**BASE["model"], "num_layers": 8},
                             "mesh": {"data": 2, "stage": 2, "expert": 2},
                             "moe": {**BASE["moe"], "dispatcher": "alltoall"},
-                            "pipeline": {"stage_microbatches": 2,
-                                         "virtual_stages": 2}})
+                            "pipeline": {"stage_microbatches": 2, "virtual_stages": 2}})
     mesh = make_mesh(cfg.mesh)
     layout = DeviceLayout(mesh, cfg)
-    slots = jax.jit(jax.shard_map(layout.stored_slots, mesh=mesh, in_specs=(),
-                                  out_specs=P("stage")))()
-    assert list(stored_layer_order(cfg)) == [0, 1, 4, 5, 2, 3, 6, 7]  # 7 layers + 1 pad
-    np.testing.assert_array_equal(slots, stored_layer_order(cfg))
+    layers = jnp.arange(7, dtype=jnp.float32) + 1  # model layer m + 1; pads 0
+    held = jax.jit(jax.shard_map(lambda: layout.own_share(layers), mesh=mesh, in_specs=(),
+                                 out_specs=P(None, "stage")))()
+    np.testing.assert_array_equal(held, [[[1, 2], [3, 4]], [[5, 6], [7, 0]]])
 
 
-def test_layer_order_is_device_major():
-    from jaxmoe.parallel.pipeline import layer_order
-    assert list(layer_order(8, 2, 2)) == [0, 1, 4, 5, 2, 3, 6, 7]
-    assert list(layer_order(4, 2, 1)) == [0, 1, 2, 3]
+def test_bubble_with_virtual_stages():
     assert bubble_fraction(4, 4, 2) == pytest.approx(3 / 11)

@@ -15,7 +15,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -68,21 +67,12 @@ def _constrain(x, layout):
     return x if layout is None else layout.constrain_batch(x)
 
 
-def layer_order(num_layers: int, stages: int, virtual_stages: int) -> np.ndarray:
-    """Model-order index of each stored MoE layer slot (identity when S V = 1).
-
-    A pipeline stores its chunks device-major: S stages x V virtual stages x
-    Lm / (S V) layers, chunk v * S + s on stage s.
-    """
-    S, V = stages, virtual_stages
-    per = num_layers // (S * V)
-    s, v, j = np.meshgrid(np.arange(S), np.arange(V), np.arange(per), indexing="ij")
-    return ((v * S + s) * per + j).reshape(-1)
-
-
-def stored_layer_order(cfg: Config) -> np.ndarray:
-    """Model-order index of each stored slot of `cfg`'s MoE stack; pads are >= num_moe_layers."""
-    return layer_order(cfg.moe_layer_slots, max(cfg.mesh.stage, 1), cfg.pipeline.virtual_stages)
+def map_moe_stack(fn, tree):
+    """`tree` (params, buffers, optimizer state or a whole TrainState: anything whose
+    MoE stack sits under a `moe_layers` key) with `fn` applied to each MoE leaf."""
+    def each(path, a):
+        return fn(a) if any(getattr(k, "key", None) == "moe_layers" for k in path) else a
+    return jax.tree_util.tree_map_with_path(each, tree)
 
 
 def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs) -> Block:
@@ -131,7 +121,7 @@ class Transformer(nnx.Module):
         if m.num_dense_layers:
             self.dense_layers = _stack(cfg, False, m.num_dense_layers, rngs)
         if cfg.num_moe_layers:
-            self.moe_layers = _stack(cfg, True, cfg.moe_layer_slots, rngs)
+            self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, rngs)
         self.final_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
         self.head = param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.init_std)
         self.cfg = cfg
@@ -166,11 +156,7 @@ class Transformer(nnx.Module):
 
     def moe_stack(self) -> tuple[nnx.GraphDef, nnx.State]:
         """The MoE layers' graphdef and stacked state, in model order."""
-        graphdef, state = nnx.split(self.moe_layers)
-        order, Lm = stored_layer_order(self.cfg), self.cfg.num_moe_layers
-        if not np.array_equal(order, np.arange(Lm)):  # stored for a pipeline, maybe padded
-            state = jax.tree.map(lambda a: a[np.argsort(order)[:Lm]], state)
-        return graphdef, state
+        return nnx.split(self.moe_layers)
 
     def logits(self, x_BxLxD: jax.Array, layout=None) -> jax.Array:
         """Final norm and LM head: fp32 logits [B, L, V]."""

@@ -1,8 +1,9 @@
 """Where the model runs: the one object that turns a mesh into what the model does.
 
 The training step asks a layout where every tensor lives (the rules table of
-`mesh.parallelism`, ZeRO-1, the batch split) and checks the config against the
-mesh through it. The model never sees the mesh. It takes a layout (or None:
+`mesh.parallelism`, ZeRO-1, the batch split, and, with pipeline stages, the MoE
+stack held as [V, S, per, ...] chunks: `StageStack`, model order when flattened)
+and checks the config against the mesh through it. The model never sees the mesh. It takes a layout (or None:
 the default device, local dispatchers) and asks it six things: which kernels
 its devices run (`kernels`: attention, MXFP8, the ragged exchange, read from the
 mesh's devices, not the host's), pin activations to the batch split, run an MoE
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -32,9 +32,9 @@ from jaxmoe import sharding
 from jaxmoe.config import Config, ConfigError, MoEConfig
 from jaxmoe.kernels import Kernels
 from jaxmoe.model.dispatch import LOCAL_DISPATCHERS, Dispatched, get_dispatcher
-from jaxmoe.model.transformer import scan_layers, stored_layer_order
+from jaxmoe.model.transformer import map_moe_stack, scan_layers
 from jaxmoe.parallel import ep_dispatch
-from jaxmoe.parallel.pipeline import device_pipeline, pipeline
+from jaxmoe.parallel.pipeline import StageStack, device_pipeline, pipeline
 from jaxmoe.sharding import BATCH_AXES
 
 
@@ -66,6 +66,10 @@ class GlobalLayout:
         self.cfg, self.mesh = cfg, mesh
         self.kernels = Kernels.of_mesh(mesh)  # what the mesh's devices run
         self.batch_shards = mesh.shape["data"] * mesh.shape["expert"]
+        S = mesh.shape["stage"]
+        # how pipeline stages hold the MoE stack; None: as the model has it, [Lm, ...]
+        self.stack = None if cfg is None or S == 1 or not cfg.num_moe_layers else \
+            StageStack.of(cfg.num_moe_layers, S, cfg.pipeline.virtual_stages)
 
     # -- where the training state and the batch live
 
@@ -73,12 +77,38 @@ class GlobalLayout:
         """The config's shape checks that need this mesh; run before compiling."""
         sharding.check_divisibility(self.cfg, self.mesh)
 
+    def stored(self, tree):
+        """A model-order tree (params, buffers, a gradient of them) as this layout keeps
+        it: with pipeline stages, each MoE leaf [Lm, ...] as [V, S, per, ...]."""
+        return tree if self.stack is None else map_moe_stack(self.stack.stored, tree)
+
+    def in_model_order(self, tree):
+        """`stored`'s inverse: every MoE leaf [Lm, ...] in model order."""
+        if self.stack is None:
+            return tree
+        return map_moe_stack(lambda a: self.stack.model(a, self.cfg.num_moe_layers), tree)
+
+    def _specs(self, abs_tree: nnx.State) -> nnx.State:
+        """The rules table's specs of a model-order tree, for its `stored` form: a MoE
+        leaf's (layers, ...) spec becomes (None, layers, None, ...) over [V, S, per]."""
+        specs = sharding.state_specs(abs_tree, sharding.RULES[self.cfg.mesh.parallelism])
+        if self.stack is None:
+            return specs
+
+        def stage_view(path, var):
+            moe = any(getattr(k, "key", None) == "moe_layers" for k in path)
+            return var.replace(P(None, *var.get_value()[:1], None, *var.get_value()[1:])) if moe else var
+
+        return jax.tree_util.tree_map_with_path(stage_view, specs,
+                                                is_leaf=lambda x: isinstance(x, nnx.Variable))
+
     def param_specs(self, abs_params: nnx.State) -> nnx.State:
-        """Where the parameters are used: `mesh.parallelism`'s rules table."""
-        return sharding.state_specs(abs_params, sharding.RULES[self.cfg.mesh.parallelism])
+        """Where the (stored) parameters are used, from the model-order abstract
+        parameters: `mesh.parallelism`'s rules table."""
+        return self._specs(abs_params)
 
     def buffer_specs(self, abs_buffers: nnx.State) -> nnx.State:
-        return sharding.state_specs(abs_buffers, sharding.RULES[self.cfg.mesh.parallelism])
+        return self._specs(abs_buffers)
 
     def optimizer_specs(self, abs_params: nnx.State, use: nnx.State) -> nnx.State:
         """Where each parameter's optimizer state lives (`use`: where the parameter
@@ -105,9 +135,10 @@ class GlobalLayout:
         """The part of the cross-entropy this program contributes: all of it."""
         return ce
 
-    def stored_slots(self) -> np.ndarray | jax.Array:
-        """Model-order index of each MoE slot this program holds (all of them)."""
-        return stored_layer_order(self.cfg)
+    def own_share(self, a_Lmx: jax.Array) -> jax.Array:
+        """Per-MoE-layer values [Lm, ...] in model order (e.g. router bias updates) as
+        this program holds the layers: all of them, stored as the stack is."""
+        return a_Lmx if self.stack is None else self.stack.stored(a_Lmx)
 
     def dispatch(self, x_TxD, routing, weights, cfg: MoEConfig) -> Dispatched:
         return dispatch_on_mesh(x_TxD, routing, weights, cfg, self.mesh)
@@ -115,10 +146,9 @@ class GlobalLayout:
     def run_moe_stack(self, model, x_BxLxD, positions_BxL, key, remat: str):
         """`model`'s MoE layers over x: a pipeline of the stored stack when `stage` > 1,
         else a scan in model order. Returns x and the per-layer aux in model order."""
-        if self.mesh.shape["stage"] > 1:
-            pipe = self.cfg.pipeline
+        if self.stack is not None:
             return pipeline(model.moe_layers, x_BxLxD, positions_BxL, self, key, remat,
-                            pipe.stage_microbatches, pipe.virtual_stages, self.cfg.num_moe_layers)
+                            self.cfg.pipeline.stage_microbatches, self.cfg.num_moe_layers)
         graphdef, state = model.moe_stack()
         return scan_layers(graphdef, state, x_BxLxD, positions_BxL, self, key, remat)
 
@@ -155,18 +185,18 @@ class DeviceLayout(GlobalLayout):
         S = self.mesh.shape["stage"]
         return ce if S == 1 else jnp.where(lax.axis_index("stage") == S - 1, ce, 0.0)
 
-    def stored_slots(self) -> np.ndarray | jax.Array:
-        """This device's MoE slots: its stage's row of the stored layout."""
-        order = stored_layer_order(self.cfg)
-        S = self.mesh.shape["stage"]
-        return order if S == 1 else jnp.asarray(order.reshape(S, -1))[lax.axis_index("stage")]
+    def own_share(self, a_Lmx: jax.Array) -> jax.Array:
+        """This device's share of per-MoE-layer values [Lm, ...]: its stage's chunks,
+        [V, 1, per, ...] (zeros in padding slots)."""
+        if self.stack is None:
+            return a_Lmx
+        return lax.dynamic_slice_in_dim(self.stack.stored(a_Lmx), lax.axis_index("stage"), 1,
+                                        axis=1)
 
     def run_moe_stack(self, model, x_BxLxD, positions_BxL, key, remat: str):
-        if self.mesh.shape["stage"] > 1:
-            pipe = self.cfg.pipeline
+        if self.stack is not None:
             return device_pipeline(model.moe_layers, x_BxLxD, positions_BxL, self, key, remat,
-                                   pipe.stage_microbatches, pipe.virtual_stages,
-                                   self.cfg.num_moe_layers)
+                                   self.cfg.pipeline.stage_microbatches, self.cfg.num_moe_layers)
         graphdef, state = model.moe_stack()
         return scan_layers(graphdef, state, x_BxLxD, positions_BxL, self, key, remat)
 

@@ -1,45 +1,47 @@
 """Pipeline parallelism over the mesh axis `stage`, written as one SPMD program.
 
-The MoE layers are cut into S x V chunks of Lm / (S V) layers; chunk v * S + s
-runs on stage s (V virtual stages per device; V = 1 is GPipe). The stacked
-weights are stored device-major, [S, V, Lm / (S V), ...] flattened (`layer_order`
-maps storage to model order), so the leading axis, split over `stage` by the
-rules table, puts exactly its own chunks on each device.
+The Lm MoE layers are cut into S x V chunks of `per` = ceil(Lm / (S V)) layers;
+chunk c = v * S + s runs on stage s in round v (V virtual stages per device;
+V = 1 is GPipe). The stacked weights are kept as [V, S, per, ...] (`StageStack`):
+flattened, that is model order, then the padding that makes the chunks equal
+(pass-through slots at the end of the model, their compute wasted). The rules
+table splits the S dimension over `stage`, so each device holds exactly its own
+chunks and nothing is reordered, ever.
 
-All stages advance together under a `vmap` over that axis: at iteration t,
-stage s runs copy k = t - s, i.e. micro-batch k mod M in round k // M, through
-its chunk of that round. Shifting the per-stage buffer by one along the stage
-axis (a collective-permute between neighbouring stages) hands every activation
-to the next stage. Stage 0 reads micro-batch t mod M from a circular store that
-the last stage writes back into, so M >= S micro-batches go round V times in
-V M + S - 1 iterations: the bubble shrinks from (S - 1) / (M + S - 1) to
-(S - 1) / (V M + S - 1). Autodiff of the loop gives the backward pass. With remat on, each
-iteration keeps only its stages' input buffer (not the weights it sliced for its
-round, nor the store, whose reads and writes are linear), and recomputing an
-iteration rematerialises its layers one at a time again.
+At iteration t, stage s runs copy k = t - s, i.e. micro-batch k mod M in round
+k // M, through its chunk of that round, and hands its output to stage s + 1.
+Stage 0 reads micro-batch t mod M from a circular store that the last stage
+writes back into, so M >= S micro-batches go round V times in V M + S - 1
+iterations: the bubble shrinks from (S - 1) / (M + S - 1) to (S - 1) / (V M + S - 1).
+Autodiff of the loop gives the backward pass. With remat on, each iteration keeps
+only its stages' input buffer (not the weights it sliced for its round, nor the
+store, whose reads and writes are linear), and recomputing an iteration
+rematerialises its layers one at a time again.
 
-Router statistics of iterations where a stage holds no real micro-batch are
-masked out, so every MoE layer's losses and loads are those of the real data.
-A layer count that does not split evenly is padded with pass-through slots at
-the end of the model (`Config.moe_layer_slots`), masked the same way.
+Router statistics of iterations where a stage holds no real micro-batch, and of
+padding slots, are masked out, so every MoE layer's losses and loads are those of
+the real data, in model order.
 
-`pipeline` is that program on global arrays (XLA partitions it: fsdp, eval,
-the API); `device_pipeline` is the same schedule written for one device inside
-the ddp step's `shard_map`: the device runs only its own stage, and the shift
-to the next stage is an explicit cyclic `ppermute` over `stage` whose
-transpose carries the cotangents back, so no gradient is reduced in the loop.
+`pipeline` is that program on global arrays (XLA partitions it: fsdp, eval, the
+API): all stages advance together under a `vmap` over the stage dimension, and a
+roll along it (a collective-permute) hands activations on. `device_pipeline` is
+the same schedule for one device inside the ddp step's `shard_map`: it runs only
+its own stage, and the hand-on is an explicit cyclic `ppermute` over `stage`
+whose transpose carries the cotangents back, so no gradient is reduced in the loop.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax import lax
-
-from jaxmoe.model.transformer import REMAT_POLICIES, layer_order, scan_layers
+from jaxmoe.model.remat import REMAT_POLICIES
+from jaxmoe.model.transformer import scan_layers
 from jaxmoe.sharding import BATCH_AXES
 
 
@@ -48,110 +50,136 @@ def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> 
     return (stages - 1) / (virtual_stages * microbatches + stages - 1)
 
 
-def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatches: int,
-             virtual_stages: int = 1, num_layers: int | None = None):
-    """Runs the stacked MoE layers as S pipeline stages; returns (x, aux per layer).
+class StageStack(NamedTuple):
+    """The MoE stack as stages hold it: [V, S, per, ...], model order when flattened."""
 
-    aux comes back in model layer order. num_layers: the real layers; stored slots
-    past it (in model order) pass activations through. layout: the auto-sharded
-    layout whose mesh has the `stage` axis.
-    """
-    mesh = layout.mesh
-    S, M, V = mesh.shape["stage"], microbatches, virtual_stages
+    virtual: int  # V: chunks per stage
+    stages: int  # S
+    per: int  # layers per chunk
+
+    @classmethod
+    def of(cls, num_layers: int, stages: int, virtual: int = 1) -> StageStack:
+        return cls(virtual, stages, -(-num_layers // (stages * virtual)))
+
+    @property
+    def slots(self) -> int:
+        return self.virtual * self.stages * self.per
+
+    def stored(self, a: jax.Array) -> jax.Array:
+        """[Lm, ...] in model order -> [V, S, per, ...], zero padding after the last layer."""
+        pad = self.slots - a.shape[0]
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) if pad else a
+        return a.reshape(self.virtual, self.stages, self.per, *a.shape[1:])
+
+    def model(self, a: jax.Array, num_layers: int) -> jax.Array:
+        """[V, S, per, ...] -> [Lm, ...] in model order, padding dropped."""
+        return a.reshape(self.slots, *a.shape[3:])[:num_layers]
+
+    def real(self, num_layers: int) -> jax.Array:
+        """bool [V, S, per]: which slots hold a layer of the model (the rest pad)."""
+        return jnp.arange(self.slots).reshape(self.virtual, self.stages, self.per) < num_layers
+
+
+def _stage_fn(graphdef, positions_bxL, layout, remat: str, padded: bool):
+    """One stage's work for one iteration: its chunk of round `round_` over x."""
+
+    def stage_fn(chunks_V, real_Vxper, round_, x_bxLxD, key):
+        pick = lambda a: lax.dynamic_index_in_dim(a, round_, keepdims=False)  # noqa: E731
+        return scan_layers(graphdef, jax.tree.map(pick, chunks_V), x_bxLxD, positions_bxL,
+                           layout, key, remat, active_N=pick(real_Vxper) if padded else None)
+
+    # Only the stages' computation is recomputed: checkpointing the whole iteration
+    # would keep the carried store, [M, b/M, L, D], once per iteration; without remat
+    # every iteration would keep its chunk's sliced weights.
+    if remat != "none":
+        stage_fn = jax.checkpoint(stage_fn, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return stage_fn
+
+
+def _copies(t, s, M: int, V: int):
+    """At iteration t, stage s runs copy t - s: (valid, its micro-batch, its round)."""
+    copy = t - s
+    return (copy >= 0) & (copy < V * M), copy % M, jnp.clip(copy // M, 0, V - 1)
+
+
+def _per_layer(aux, round_, stage, stack: StageStack, num_layers: int, M: int):
+    """Per-iteration aux [T, (S,) per, ...] (stage-batched or one stage's) summed into
+    each (round, stage) chunk, in model order; round_ and stage: [T, (S)]. Balance and
+    z losses are averaged over the M micro-batches."""
+
+    def one(a):
+        chunks = jnp.zeros((stack.virtual, stack.stages) + a.shape[round_.ndim:], a.dtype)
+        chunks = chunks.at[round_, stage].add(a)
+        return chunks.reshape((stack.slots,) + a.shape[round_.ndim + 1:])[:num_layers]
+
+    out = jax.tree.map(one, aux)
+    for mean_key in ("balance_loss", "z_loss"):
+        out[mean_key] = out[mean_key] / M
+    return out
+
+
+def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatches: int,
+             num_layers: int):
+    """Runs the stage-held MoE stack as S pipeline stages on global arrays; returns
+    (x, aux per layer in model order). layout: the auto-sharded layout whose mesh has
+    the `stage` axis; `stack.stages` its stage count."""
     graphdef, state = nnx.split(stack)
-    Lm = jax.tree.leaves(state)[0].shape[0]
-    per = Lm // (S * V)
-    stage_state = jax.tree.map(lambda a: a.reshape(S, V, per, *a.shape[1:]), state)
-    real = Lm if num_layers is None else num_layers
-    active_SxVxper = jnp.asarray(layer_order(Lm, S, V).reshape(S, V, per) < real)
+    layers = layout.stack
+    S, M, V = layers.stages, microbatches, layers.virtual
+    stage_state = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), state)  # [S, V, per, ...]
+    real_SxVxper = jnp.swapaxes(layers.real(num_layers), 0, 1)
     B, L, D = x_BxLxD.shape
     # Strided split: every micro-batch keeps rows on each data/expert device.
     store_MxbxLxD = x_BxLxD.reshape(B // M, M, L, D).swapaxes(0, 1)
-    positions_bxL = positions_BxL[: B // M]
-    buffer_spec = NamedSharding(mesh, P("stage", BATCH_AXES))
-
-    def stage_fn(chunks_V, active_Vxper, round_, x_bxLxD, k):
-        pick = lambda a: jax.lax.dynamic_index_in_dim(a, round_, keepdims=False)  # noqa: E731
-        return scan_layers(graphdef, jax.tree.map(pick, chunks_V), x_bxLxD, positions_bxL,
-                           layout, k, remat, active_N=None if real == Lm else pick(active_Vxper))
-
+    buffer_spec = NamedSharding(layout.mesh, P("stage", BATCH_AXES))
+    stage_fn = _stage_fn(graphdef, positions_BxL[: B // M], layout, remat,
+                         layers.slots > num_layers)
     run_stages = jax.vmap(stage_fn, in_axes=(0, 0, 0, 0, 0 if key is not None else None),
                           spmd_axis_name="stage")
-    # Only the stages' computation is recomputed: checkpointing the whole iteration
-    # would keep the carried store, [M, B/M, L, D], once per iteration.
-    if remat != "none":  # else every iteration would keep its chunk's sliced weights
-        run_stages = jax.checkpoint(run_stages, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    stages_S = jnp.arange(S)
 
     def iteration(carry, t):
         buffer_SxbxLxD, store = carry
-        fresh = jax.lax.dynamic_index_in_dim(store, t % M, keepdims=False)
-        buffer_SxbxLxD = buffer_SxbxLxD.at[0].set(fresh)
-        buffer_SxbxLxD = jax.lax.with_sharding_constraint(buffer_SxbxLxD, buffer_spec)
-        copy_S = t - jnp.arange(S)
-        valid_S = (copy_S >= 0) & (copy_S < V * M)
-        round_S = jnp.clip(copy_S // M, 0, V - 1)
+        fresh = lax.dynamic_index_in_dim(store, t % M, keepdims=False)
+        buffer_SxbxLxD = jax.lax.with_sharding_constraint(buffer_SxbxLxD.at[0].set(fresh),
+                                                          buffer_spec)
+        valid_S, micro_S, round_S = _copies(t, stages_S, M, V)
         keys = None if key is None else jax.random.split(jax.random.fold_in(key, t), S)
-        out_SxbxLxD, aux = run_stages(stage_state, active_SxVxper, round_S, buffer_SxbxLxD, keys)
-        aux = jax.tree.map(
-            lambda a: jnp.where(valid_S.reshape((S,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a)),
-            aux)
-        last = copy_S[S - 1]
-        store = jnp.where(valid_S[S - 1],
-                          jax.lax.dynamic_update_index_in_dim(store, out_SxbxLxD[S - 1], last % M, 0),
-                          store)
+        out_SxbxLxD, aux = run_stages(stage_state, real_SxVxper, round_S, buffer_SxbxLxD, keys)
+        aux = jax.tree.map(lambda a: jnp.where(
+            valid_S.reshape((S,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a)), aux)
+        store = jnp.where(valid_S[S - 1], lax.dynamic_update_index_in_dim(
+            store, out_SxbxLxD[S - 1], micro_S[S - 1], 0), store)
         # stage s's output feeds stage s + 1 next iteration (a collective-permute)
         return (jnp.roll(out_SxbxLxD, 1, axis=0), store), (aux, round_S)
 
     init = (jnp.zeros((S,) + store_MxbxLxD.shape[1:], x_BxLxD.dtype), store_MxbxLxD)
-    (_, store), (aux, round_TxS) = jax.lax.scan(iteration, init, jnp.arange(V * M + S - 1))
+    (_, store), (aux, round_TxS) = lax.scan(iteration, init, jnp.arange(V * M + S - 1))
     y_BxLxD = store.swapaxes(0, 1).reshape(B, L, D)  # the store ends holding round V-1's outputs
-    # aux [T, S, per, ...] -> summed into its (stage, round) chunk -> model layer order
-    stage_TxS = jnp.broadcast_to(jnp.arange(S), round_TxS.shape)
-
-    def per_layer(a):
-        chunks = jnp.zeros((S, V) + a.shape[2:], a.dtype).at[stage_TxS, round_TxS].add(a)
-        return chunks.swapaxes(0, 1).reshape((Lm,) + a.shape[3:])[:real]
-
-    aux = jax.tree.map(per_layer, aux)
-    for mean_key in ("balance_loss", "z_loss"):
-        aux[mean_key] = aux[mean_key] / M
-    return y_BxLxD, aux
+    stage_TxS = jnp.broadcast_to(stages_S, round_TxS.shape)
+    return y_BxLxD, _per_layer(aux, round_TxS, stage_TxS, layers, num_layers, M)
 
 
 def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, microbatches: int,
-                    virtual_stages: int = 1, num_layers: int | None = None):
+                    num_layers: int):
     """One device's share of `pipeline`, inside a `shard_map` over every mesh axis.
 
-    stack: this device's stored slots (its V chunks of `per` layers, device-major);
-    x: its own rows. Returns (x, aux): x is the model's output on the last stage
-    (the only stage whose loss counts: `DeviceLayout.ce_share`), and aux holds
-    this stage's layers at their model-order positions and zeros elsewhere, so
-    sums over `stage` give every layer once.
+    stack: this device's chunks, [V, 1, per, ...]; x: its own rows. Returns (x, aux):
+    x is the model's output on the last stage (the only stage whose loss counts:
+    `DeviceLayout.ce_share`), and aux holds this stage's layers at their model-order
+    positions and zeros elsewhere, so sums over `stage` give every layer once.
     """
-    mesh = layout.mesh
-    S, M, V = mesh.shape["stage"], microbatches, virtual_stages
-    s = lax.axis_index("stage")
     graphdef, state = nnx.split(stack)
-    per = jax.tree.leaves(state)[0].shape[0] // V
-    Lm = S * V * per
-    chunks = jax.tree.map(lambda a: a.reshape(V, per, *a.shape[1:]), state)
-    real = Lm if num_layers is None else num_layers
-    active_Vxper = jnp.asarray(layer_order(Lm, S, V).reshape(S, V, per) < real)[s]
+    layers = layout.stack
+    S, M, V = layers.stages, microbatches, layers.virtual
+    s = lax.axis_index("stage")
+    chunks = jax.tree.map(lambda a: a[:, 0], state)  # [V, per, ...]
+    real_Vxper = jnp.take(layers.real(num_layers), s, axis=1)
     b, L, D = x_bxLxD.shape
-    # the same strided split as `pipeline`
-    store_MxmxLxD = x_bxLxD.reshape(b // M, M, L, D).swapaxes(0, 1)
-    positions_mxL = positions_bxL[: b // M]
+    store_MxmxLxD = x_bxLxD.reshape(b // M, M, L, D).swapaxes(0, 1)  # the same strided split
+    stage_fn = _stage_fn(graphdef, positions_bxL[: b // M], layout, remat,
+                         layers.slots > num_layers)
     to_next = [(i, (i + 1) % S) for i in range(S)]
-
-    def stage_fn(chunks_V, round_, x_in, k):
-        pick = lambda a: lax.dynamic_index_in_dim(a, round_, keepdims=False)  # noqa: E731
-        return scan_layers(graphdef, jax.tree.map(pick, chunks_V), x_in, positions_mxL,
-                           layout, k, remat, active_N=None if real == Lm else pick(active_Vxper))
-
-    # Only the stage's computation is recomputed: checkpointing the whole iteration
-    # would keep the carried store, [M, b/M, L, D], once per iteration.
-    if remat != "none":  # else every iteration would keep its chunk's sliced weights
-        stage_fn = jax.checkpoint(stage_fn, policy=REMAT_POLICIES[remat], prevent_cse=False)
 
     def iteration(carry, t):
         inbox_mxLxD, store = carry
@@ -163,29 +191,18 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
         store = lax.dynamic_update_index_in_dim(store, filed, arrived % M, 0)
         fresh = lax.dynamic_index_in_dim(store, t % M, keepdims=False)
         x_in = jnp.where(s == 0, fresh, inbox_mxLxD)
-        copy = t - s
-        valid = (copy >= 0) & (copy < V * M)
-        round_ = jnp.clip(copy // M, 0, V - 1)
+        valid, micro, round_ = _copies(t, s, M, V)
         k = None if key is None else jax.random.split(jax.random.fold_in(key, t), S)[s]
-        out_mxLxD, aux = stage_fn(chunks, round_, x_in, k)
+        out_mxLxD, aux = stage_fn(chunks, real_Vxper, round_, x_in, k)
         aux = jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), aux)
         # The last stage keeps its outputs: after the final round, the model's output.
         kept = jnp.where((s == S - 1) & valid, out_mxLxD,
-                         lax.dynamic_index_in_dim(store, copy % M, keepdims=False))
-        store = lax.dynamic_update_index_in_dim(store, kept, copy % M, 0)
+                         lax.dynamic_index_in_dim(store, micro, keepdims=False))
+        store = lax.dynamic_update_index_in_dim(store, kept, micro, 0)
         return (lax.ppermute(out_mxLxD, "stage", to_next), store), (aux, round_)
 
     init = (jnp.zeros_like(store_MxmxLxD[0]), store_MxmxLxD)
     (_, store), (aux, round_T) = lax.scan(iteration, init, jnp.arange(V * M + S - 1))
     y_bxLxD = store.swapaxes(0, 1).reshape(b, L, D)
-
-    def per_layer(a_Txper):  # -> this stage's (round, layer) slots -> model order
-        own = jnp.zeros((V,) + a_Txper.shape[1:], a_Txper.dtype).at[round_T].add(a_Txper)
-        every = jnp.zeros((S,) + own.shape, own.dtype)
-        every = lax.dynamic_update_index_in_dim(every, own, s, 0)
-        return every.swapaxes(0, 1).reshape((Lm,) + a_Txper.shape[2:])[:real]
-
-    aux = jax.tree.map(per_layer, aux)
-    for mean_key in ("balance_loss", "z_loss"):
-        aux[mean_key] = aux[mean_key] / M
-    return y_bxLxD, aux
+    return y_bxLxD, _per_layer(aux, round_T, jnp.broadcast_to(s, round_T.shape), layers,
+                               num_layers, M)
