@@ -108,8 +108,8 @@ def _apply(params, tokens_BxL, config, key, mesh, remat):
 def apply(params: Params, tokens_BxL: jax.Array, config: Config, *, key: jax.Array | None = None,
           mesh: Mesh | None = None, remat: str = "none") -> tuple[jax.Array, dict]:
     """fp32 logits [B, L, V] and aux, the MoE layers' router statistics stacked per layer:
-    balance_loss and z_loss [Lm] (unscaled), counts_E [Lm, E], dropped [Lm],
-    prob_sum_E [Lm, E], margin_sum [Lm]; empty without MoE layers.
+    balance_loss and z_loss [Lm] (unscaled), counts [Lm, E], dropped [Lm],
+    prob_sums [Lm, E], margin_sum [Lm]; empty without MoE layers.
 
     `key` turns on router jitter; `mesh` is needed by the expert-parallel dispatchers.
     """
@@ -128,8 +128,8 @@ def moe_layer(params: Params, x_BxLxD: jax.Array, config: Config, *, key: jax.Ar
               mesh: Mesh | None = None) -> tuple[jax.Array, dict]:
     """The MoE feed-forward alone: router -> dispatch -> experts -> combine.
 
-    Returns y [B, L, D] in x's dtype and aux (balance_loss, z_loss, counts_E,
-    dropped, prob_sum_E, margin_sum, for this call's tokens). Inside a user's
+    Returns y [B, L, D] in x's dtype and aux (balance_loss, z_loss, counts,
+    dropped, prob_sums, margin_sum, for this call's tokens). Inside a user's
     `shard_map`, call it per shard with a local dispatcher (`grouped` or `dense`)
     and no mesh; outside one, the expert-parallel dispatchers take the mesh.
     """

@@ -157,7 +157,7 @@ class BatchIterator:
                                 f"tokens (longest: {longest}); use shorter sequences or more data")
         if len(self.sources) > MIX_PERIOD:
             raise DataError(f"{len(self.sources)} sources: at most {MIX_PERIOD} can be mixed")
-        self.quota_S = quotas([s.weight for s in self.sources])
+        self.quota_per_source = quotas([s.weight for s in self.sources])
         weights = np.array([s.weight for s in self.sources])
         for source, w, share in zip(self.sources, self.windows, weights / weights.sum()):
             rows = int(np.ceil(batch_size * share))
@@ -176,7 +176,7 @@ class BatchIterator:
             return self._periods[period]
         if len(self._periods) > 4:
             self._periods.clear()
-        labels = np.repeat(np.arange(len(self.sources)), self.quota_S)
+        labels = np.repeat(np.arange(len(self.sources)), self.quota_per_source)
         labels = np.random.default_rng([self.seed, _MIX_SALT, period]).permutation(labels)
         one_hot = labels[:, None] == np.arange(len(self.sources))
         before = (np.cumsum(one_hot, axis=0) - one_hot)[np.arange(len(labels)), labels]
@@ -195,7 +195,7 @@ class BatchIterator:
             at = period == p
             labels, before = self._period(int(p))
             source[at] = labels[slot[at]]
-            own[at] = p * self.quota_S[source[at]] + before[slot[at]]
+            own[at] = p * self.quota_per_source[source[at]] + before[slot[at]]
         return source, own
 
     def window_of(self, source: int, own: np.ndarray) -> np.ndarray:
@@ -227,7 +227,7 @@ class BatchIterator:
         else:
             full, rest = divmod(done, MIX_PERIOD)
             labels, _ = self._period(full)
-            used = full * self.quota_S + np.bincount(labels[:rest], minlength=len(self.sources))
+            used = full * self.quota_per_source + np.bincount(labels[:rest], minlength=len(self.sources))
         counts = np.array([w.count for w in self.windows])
         return {"epoch": float(np.max(used / counts)),
                 "seen": float(np.minimum(used, counts).sum() / counts.sum())}

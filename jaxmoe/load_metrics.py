@@ -17,32 +17,32 @@ import jax.numpy as jnp
 
 def load_metrics(aux: dict, num_tokens: int, top_k: int, ep_size: int,
                  balance_weight: float) -> dict:
-    """Per MoE layer ([L] arrays) from step-summed router stats (see MoE.__call__).
+    """Per MoE layer ([Lm] arrays) from step-summed router stats (see MoE.__call__).
 
-    aux arrays are sums over the global batch: counts_E [L, E], prob_sum_E [L, E],
-    margin_sum [L], dropped [L]; balance_loss [L] is the scoped training loss.
+    aux arrays are sums over the global batch: counts [Lm, E], prob_sums [Lm, E],
+    margin_sum [Lm], dropped [Lm]; balance_loss [Lm] is the scoped training loss.
     """
-    counts_LxE = aux["counts_E"].astype(jnp.float32)
-    L, E = counts_LxE.shape
-    mean_load = jnp.maximum(jnp.mean(counts_LxE, -1), 1e-9)
-    f_LxE = counts_LxE / jnp.maximum(jnp.sum(counts_LxE, -1, keepdims=True), 1.0)
-    P_LxE = aux["prob_sum_E"] / num_tokens
-    rank_LxR = jnp.sum(counts_LxE.reshape(L, ep_size, E // ep_size), -1)
-    dead_LxE = counts_LxE == 0
-    entropy = -jnp.sum(jnp.where(f_LxE > 0, f_LxE * jnp.log(jnp.maximum(f_LxE, 1e-30)), 0.0), -1)
+    counts_LmxE = aux["counts"].astype(jnp.float32)
+    Lm, E = counts_LmxE.shape
+    mean_load = jnp.maximum(jnp.mean(counts_LmxE, -1), 1e-9)
+    f_LmxE = counts_LmxE / jnp.maximum(jnp.sum(counts_LmxE, -1, keepdims=True), 1.0)
+    P_LmxE = aux["prob_sums"] / num_tokens
+    rank_LmxR = jnp.sum(counts_LmxE.reshape(Lm, ep_size, E // ep_size), -1)
+    dead_LmxE = counts_LmxE == 0
+    entropy = -jnp.sum(jnp.where(f_LmxE > 0, f_LmxE * jnp.log(jnp.maximum(f_LmxE, 1e-30)), 0.0), -1)
     return {
-        "load_max_over_mean": jnp.max(counts_LxE, -1) / mean_load,
-        "rank_load_max_over_mean": jnp.max(rank_LxR, -1) / jnp.maximum(jnp.mean(rank_LxR, -1), 1e-9),
-        "dead_experts": jnp.sum(dead_LxE, -1).astype(jnp.int32),
+        "load_max_over_mean": jnp.max(counts_LmxE, -1) / mean_load,
+        "rank_load_max_over_mean": jnp.max(rank_LmxR, -1) / jnp.maximum(jnp.mean(rank_LmxR, -1), 1e-9),
+        "dead_experts": jnp.sum(dead_LmxE, -1).astype(jnp.int32),
         "drop_fraction": aux["dropped"].astype(jnp.float32) / (num_tokens * top_k),
         "entropy_deficit": jnp.log(E) - entropy,
         "balance_loss_layer": aux["balance_loss"],
         "balance_loss_scaled": balance_weight * aux["balance_loss"],
         # E^2 Cov(f, P) over the global batch: the part of the Switch loss above 1
-        "balance_cov": E * jnp.sum((f_LxE - 1.0 / E) * (P_LxE - 1.0 / E), -1),
-        "dead_score_mass": jnp.sum(jnp.where(dead_LxE, P_LxE, 0.0), -1),
+        "balance_cov": E * jnp.sum((f_LmxE - 1.0 / E) * (P_LmxE - 1.0 / E), -1),
+        "dead_score_mass": jnp.sum(jnp.where(dead_LmxE, P_LmxE, 0.0), -1),
         "topk_margin": aux["margin_sum"] / num_tokens,
-        "expert_load": counts_LxE / mean_load[:, None],
+        "expert_load": counts_LmxE / mean_load[:, None],
     }
 
 
@@ -108,8 +108,8 @@ def gerrymandering(records: list[dict], window: int = WINDOW,
     loss1, load1 = (sum(x) / window for x in zip(*after))
     if loss1 < loss0 * (1 - min_change) and load1 > load0 * (1 + min_change):
         last = records[-1]
-        load_L = last["load_max_over_mean"]
-        layer = max(range(len(load_L)), key=lambda i: load_L[i])
+        load_Lm = last["load_max_over_mean"]
+        layer = max(range(len(load_Lm)), key=lambda i: load_Lm[i])
         return layer, (f"gerrymandering: balance loss fell {loss0:.3f} -> {loss1:.3f} while "
                        f"max/mean expert load rose {load0:.2f} -> {load1:.2f}; at step "
                        f"{last['step']} MoE layer {layer} has {_layer_figures(last, layer)}")

@@ -33,14 +33,15 @@ def _pyplot():
 def load_heatmaps(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = read_metrics(run_dir)
     steps = [r["step"] for r in records]
-    L = len(records[0]["load_max_over_mean"])
-    load_SxLxE = np.array([r["expert_load"] for r in records]).reshape(len(records), L, -1)
+    Lm = len(records[0]["load_max_over_mean"])
+    # one row per logged step (record)
+    load_RecxLmxE = np.array([r["expert_load"] for r in records]).reshape(len(records), Lm, -1)
     plt = _pyplot()
-    fig, axes = plt.subplots(L, 1, figsize=(8, 1.8 * L + 0.6), squeeze=False, sharex=True)
-    vmax = max(2.0, float(load_SxLxE.max()))
+    fig, axes = plt.subplots(Lm, 1, figsize=(8, 1.8 * Lm + 0.6), squeeze=False, sharex=True)
+    vmax = max(2.0, float(load_RecxLmxE.max()))
     for layer, ax in enumerate(axes[:, 0]):
-        im = ax.imshow(load_SxLxE[:, layer].T, aspect="auto", cmap="magma", vmin=0, vmax=vmax,
-                       extent=(steps[0], steps[-1], load_SxLxE.shape[2] - 0.5, -0.5),
+        im = ax.imshow(load_RecxLmxE[:, layer].T, aspect="auto", cmap="magma", vmin=0, vmax=vmax,
+                       extent=(steps[0], steps[-1], load_RecxLmxE.shape[2] - 0.5, -0.5),
                        interpolation="nearest")
         ax.set_ylabel(f"MoE layer {layer}\nexpert")
     axes[-1, 0].set_xlabel("step")

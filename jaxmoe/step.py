@@ -161,7 +161,7 @@ def new_buffers(cfg: Config, layout, state: TrainState, aux, finite) -> nnx.Stat
     """Router biases after the step (unchanged on a skipped one)."""
     buffers = state.buffers
     if cfg.num_moe_layers and cfg.moe.expert_bias:
-        buffers = update_expert_bias(buffers, aux["counts_E"], cfg.moe.bias_update_rate,
+        buffers = update_expert_bias(buffers, aux["counts"], cfg.moe.bias_update_rate,
                                      layout.own_share)
     return jax.tree.map(lambda new, old: jnp.where(finite, new, old), buffers, state.buffers)
 
@@ -416,7 +416,7 @@ def check_optimizer(cfg: Config, mesh: Mesh, abs_params: nnx.State, shard_specs:
                           "on its own (adamw, lion, sgd, ...)")
 
 
-def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float,
+def update_expert_bias(buffers: nnx.State, counts_LmxE: jax.Array, rate: float,
                        place: Callable = lambda delta: delta) -> nnx.State:
     """Aux-loss-free balancing: nudge each expert's selection bias toward mean load.
 
@@ -425,7 +425,7 @@ def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float,
     model-order updates where `buffers` hold their layers (a layout's `own_share`:
     a pipeline stage's chunks, zero for padding slots).
     """
-    counts = counts_LxE.astype(jnp.float32)
+    counts = counts_LmxE.astype(jnp.float32)
     delta = place(rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts))
 
     def nudge(path, b):  # a new tree: the step's input state must stay untouched

@@ -65,7 +65,7 @@ def _crafted(assign_T, T=64):
 def test_metrics_exact_on_crafted_routings(name, assign, max_mean, dead, deficit):
     expert, probs = _crafted(assign)
     counts = np.bincount(expert.ravel(), minlength=E)
-    aux = {"counts_E": counts[None], "prob_sum_E": probs.sum(0)[None],
+    aux = {"counts": counts[None], "prob_sums": probs.sum(0)[None],
            "margin_sum": np.zeros(1, np.float32), "dropped": np.zeros(1, np.int32),
            "balance_loss": np.ones(1, np.float32)}
     m = jax.device_get(load_metrics(aux, 64, 1, 2, 0.01))

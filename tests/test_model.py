@@ -137,8 +137,8 @@ def test_aux_reports_every_moe_layer(small_model):
     cfg, model = small_model
     tokens = jnp.zeros((2, 8), jnp.int32)
     _, aux = model(tokens)
-    assert aux["counts_E"].shape == (cfg.num_moe_layers, cfg.moe.num_experts)
-    assert (aux["counts_E"].sum(-1) == 2 * 8 * cfg.moe.top_k).all()
+    assert aux["counts"].shape == (cfg.num_moe_layers, cfg.moe.num_experts)
+    assert (aux["counts"].sum(-1) == 2 * 8 * cfg.moe.top_k).all()
 
 
 def test_blockwise_attention_equals_fused_in_less_memory():

@@ -85,9 +85,9 @@ def test_pipeline_equals_sequential(sequential, mesh, micro, dispatcher):
     close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)  # noqa: E731
     jax.tree.map(close, grads, ref_grads)
     # every MoE layer's router statistics reach the output, bubbles masked out
-    np.testing.assert_array_equal(aux["counts_E"], ref_aux["counts_E"])
+    np.testing.assert_array_equal(aux["counts"], ref_aux["counts"])
     np.testing.assert_allclose(aux["balance_loss"], ref_aux["balance_loss"], rtol=1e-5)
-    assert aux["counts_E"].sum() == 4 * 16 * 16 * 2  # 4 MoE layers x tokens x top-2
+    assert aux["counts"].sum() == 4 * 16 * 16 * 2  # 4 MoE layers x tokens x top-2
     # and the gradient check has teeth: the gradients are far from zero
     embed = grads["embed"][...]
     assert np.abs(embed).max() > 1e-4
@@ -118,7 +118,7 @@ def test_pipeline_remat_equals_no_remat_and_keeps_only_the_buffers():
     assert remat_value == pytest.approx(value, rel=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max())), remat_grads, grads)
-    np.testing.assert_array_equal(remat_aux["counts_E"], aux["counts_E"])
+    np.testing.assert_array_equal(remat_aux["counts"], aux["counts"])
     # and the programs differ as they should: with remat each of the M + S - 1 iterations
     # keeps only its stages' input buffer (not the micro-batch store it carries) and a
     # few indices and keys, without it every intermediate of its layers
@@ -218,8 +218,8 @@ def test_stage_held_stacks_equal_sequential(stages, virtual, dispatcher, expert,
     jax.tree.map(lambda a: np.testing.assert_array_equal(a[pads], 0), got["moe_layers"])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6),
                  in_model_order(got, cfg), jax.device_get(ref_grads))
-    np.testing.assert_array_equal(aux["counts_E"], ref_aux["counts_E"])  # model layer order
-    assert aux["counts_E"].shape[0] == moe_layers
+    np.testing.assert_array_equal(aux["counts"], ref_aux["counts"])  # model layer order
+    assert aux["counts"].shape[0] == moe_layers
 
 
 def test_expert_bias_update_lands_on_its_stage_chunk():

@@ -85,15 +85,16 @@ def gather_rows(x_TxD: jax.Array, slot_N: jax.Array, token_N: jax.Array, num_slo
     return x_pad[token_of_slot]
 
 
-def combine_rows(y_SxD: jax.Array, slot_N: jax.Array, gate_KxT: jax.Array) -> jax.Array:
-    """Weighted sum over each token's K copies; dropped copies (slot S) add zero.
+def combine_rows(y_ECxD: jax.Array, slot_N: jax.Array, gate_KxT: jax.Array) -> jax.Array:
+    """Weighted sum over each token's K copies; dropped copies (slot E C, past
+    the buffers' rows) add zero.
 
     The sum over K is elementwise rather than a K-deep matmul.
     """
     K, T = gate_KxT.shape
-    y_pad = jnp.concatenate([y_SxD, jnp.zeros((1, y_SxD.shape[1]), y_SxD.dtype)])
+    y_pad = jnp.concatenate([y_ECxD, jnp.zeros((1, y_ECxD.shape[1]), y_ECxD.dtype)])
     y_KxTxD = y_pad[slot_N].reshape(K, T, -1)
-    return jnp.sum(y_KxTxD * gate_KxT.astype(y_SxD.dtype)[:, :, None], axis=0)
+    return jnp.sum(y_KxTxD * gate_KxT.astype(y_ECxD.dtype)[:, :, None], axis=0)
 
 
 def dense_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,

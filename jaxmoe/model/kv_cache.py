@@ -1,7 +1,7 @@
 """Decoding with a KV cache: prefill a prompt, then feed one token at a time.
 
-The cache holds every layer's rotated keys and values in S slots, a static
-maximum length, so decoding compiles once per (batch, S). A query at position p
+The cache holds every layer's rotated keys and values in Lc slots, a static
+maximum length, so decoding compiles once per (batch, Lc). A query at position p
 attends to the slots 0..p; slots not yet written are masked out. `forward` runs
 the same blocks as `Transformer.__call__` with causal attention over the cache
 instead of over the call's own tokens.
@@ -10,8 +10,8 @@ Prompts of different lengths are left-padded: row b's real tokens start at slot
 first_B[b], and no query attends to the padding before it (a padding query
 attends to itself only, so every softmax row has a finite entry).
 
-Shapes: B batch, L tokens of this call, S cache slots, G kv heads, Hd head size,
-N layers of one stack.
+Shapes: B batch, L tokens of this call, Lc cache slots, G kv heads, Hd head size,
+Ls layers of one stack.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from flax import nnx
 from jaxmoe.config import Config
 from jaxmoe.model.transformer import Block, Transformer
 
-Cache = dict[str, tuple[jax.Array, jax.Array]]  # stack name -> (k, v) [N, B, S, G, Hd]
+Cache = dict[str, tuple[jax.Array, jax.Array]]  # stack name -> (k, v) [Ls, B, Lc, G, Hd]
 
 
 def init_cache(cfg: Config, batch: int, slots: int) -> Cache:
@@ -34,18 +34,17 @@ def init_cache(cfg: Config, batch: int, slots: int) -> Cache:
             for name, n in stacks.items() if n}
 
 
-def _block(block: Block, x_BxLxD, positions_BxL, k_BxSxGxHd, v_BxSxGxHd, start, first_B):
+def _block(block: Block, x_BxLxD, positions_BxL, k_BxLcxGxHd, v_BxLcxGxHd, start, first_B):
     q, k_new, v_new = block.attn.qkv(block.attn_norm(x_BxLxD), positions_BxL)
-    k_BxSxGxHd = jax.lax.dynamic_update_slice_in_dim(k_BxSxGxHd, k_new, start, axis=1)
-    v_BxSxGxHd = jax.lax.dynamic_update_slice_in_dim(v_BxSxGxHd, v_new, start, axis=1)
-    S = k_BxSxGxHd.shape[1]
-    slots_S = jnp.arange(S)
-    causal_BxLxS = positions_BxL[:, :, None] >= slots_S
-    real_BxLxS = (slots_S >= first_B[:, None, None]) | (positions_BxL[:, :, None] == slots_S)
-    mask_Bx1xLxS = (causal_BxLxS & real_BxLxS)[:, None]
-    o = jax.nn.dot_product_attention(q, k_BxSxGxHd, v_BxSxGxHd, mask=mask_Bx1xLxS)
+    k_BxLcxGxHd = jax.lax.dynamic_update_slice_in_dim(k_BxLcxGxHd, k_new, start, axis=1)
+    v_BxLcxGxHd = jax.lax.dynamic_update_slice_in_dim(v_BxLcxGxHd, v_new, start, axis=1)
+    slots_Lc = jnp.arange(k_BxLcxGxHd.shape[1])
+    causal_BxLxLc = positions_BxL[:, :, None] >= slots_Lc
+    real_BxLxLc = (slots_Lc >= first_B[:, None, None]) | (positions_BxL[:, :, None] == slots_Lc)
+    mask_Bx1xLxLc = (causal_BxLxLc & real_BxLxLc)[:, None]
+    o = jax.nn.dot_product_attention(q, k_BxLcxGxHd, v_BxLcxGxHd, mask=mask_Bx1xLxLc)
     x_BxLxD, aux = block.feed_forward(x_BxLxD + block.attn.out(o))
-    return x_BxLxD, k_BxSxGxHd, v_BxSxGxHd, aux
+    return x_BxLxD, k_BxLcxGxHd, v_BxLcxGxHd, aux
 
 
 def forward(model: Transformer, tokens_BxL: jax.Array, cache: Cache, start: jax.Array | int,

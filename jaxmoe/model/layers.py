@@ -1,7 +1,7 @@
 """Small building blocks: parameters with logical axes, RMSNorm, RoPE, SwiGLU MLP.
 
-Shape alphabet: B batch, L length, D model, H heads, G kv heads, Hd head size,
-F hidden, E experts, K top-k, T tokens (B*L), V vocab.
+Shape alphabet (README.md has all of it): B batch, L length, D model, H heads, G kv
+heads, Hd head size, F hidden, E experts, K top-k, T tokens (B L), V vocab.
 """
 
 from __future__ import annotations

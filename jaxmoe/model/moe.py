@@ -29,8 +29,8 @@ class MoE(nnx.Module):
         local dispatchers on this call's tokens.
 
         aux: balance_loss (at the configured scope), z_loss, and sums over this
-        call's tokens for the load metrics: counts_E (requested copies per expert,
-        before any drop), dropped (copies that found no buffer room), prob_sum_E
+        call's tokens for the load metrics: counts (requested copies per expert,
+        before any drop), dropped (copies that found no buffer room), prob_sums
         (normalised scores) and margin_sum (k-th minus (k+1)-th score).
         """
         cfg = self.cfg
@@ -50,9 +50,9 @@ class MoE(nnx.Module):
         aux = {
             "balance_loss": self._balance_loss(routing, B, layout),
             "z_loss": z_loss(routing),
-            "counts_E": counts_E,
+            "counts": counts_E,
             "dropped": out.dropped,
-            "prob_sum_E": jnp.sum(jax.lax.stop_gradient(routing.probs_TxE), axis=0),
+            "prob_sums": jnp.sum(jax.lax.stop_gradient(routing.probs_TxE), axis=0),
             "margin_sum": jnp.sum(routing.margin_T),
         }
         return y_TxD.reshape(B, L, D).astype(x_BxLxD.dtype), aux

@@ -177,10 +177,10 @@ class Transformer(nnx.Module):
 
         @jax.checkpoint
         def chunk_ce(total, xs):
-            x_BxCxD, targets_BxC = xs
-            logits = self.logits(x_BxCxD, layout)
+            x_BxLbxD, targets_BxLb = xs
+            logits = self.logits(x_BxLbxD, layout)
             return total + optax.softmax_cross_entropy_with_integer_labels(
-                logits, targets_BxC).sum(), None
+                logits, targets_BxLb).sum(), None
 
         n = L // chunk
         xs = (x_BxLxD.reshape(B, n, chunk, D).swapaxes(0, 1),

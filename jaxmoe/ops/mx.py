@@ -129,18 +129,18 @@ def fake_quantize(x: jax.Array, axis: int = -1, scale_rule: ScaleRule = "ceil") 
 # ---------------------------------------------------------------- MXFP8 batched matmul
 
 
-def _quantized_operands(a_BxMxK: jax.Array, b_BxNxK: jax.Array, scale_rule: ScaleRule,
+def _quantized_operands(a_ExCxI: jax.Array, b_ExOxI: jax.Array, scale_rule: ScaleRule,
                         native: bool):
     """What an MXFP8 GEMM reads of its operands: (elements, scales) pairs for a native
     block-scaled GEMM, else the dequantised fp32 values."""
-    qa, qb = quantize(a_BxMxK, -1, scale_rule), quantize(b_BxNxK, -1, scale_rule)
+    qa, qb = quantize(a_ExCxI, -1, scale_rule), quantize(b_ExOxI, -1, scale_rule)
     if native:
         return qa, qb
     return dequantize(*qa), dequantize(*qb)
 
 
 def _gemm(a, b, out_dtype, native: bool) -> jax.Array:
-    """[B, M, K] x [B, N, K] -> [B, M, N] on `_quantized_operands`, fp32 accumulation."""
+    """[E, C, I] x [E, O, I] -> [E, C, O] on `_quantized_operands`, fp32 accumulation."""
     if native:
         (qa, sa), (qb, sb) = a, b
         out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
@@ -148,20 +148,21 @@ def _gemm(a, b, out_dtype, native: bool) -> jax.Array:
         # jax 0.10); restore them, or a custom VJP around it fails JAX's type check
         out = vary(out, varying_axes(qa) | varying_axes(qb))
     else:
-        out = jnp.einsum("bmk,bnk->bmn", a, b, preferred_element_type=jnp.float32)
+        out = jnp.einsum("eci,eoi->eco", a, b, preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
 
 
-def mx_bmm(a_BxMxK: jax.Array, b_BxNxK: jax.Array, out_dtype,
+def mx_bmm(a_ExCxI: jax.Array, b_ExOxI: jax.Array, out_dtype,
            scale_rule: ScaleRule = "ceil", native: bool = False) -> jax.Array:
-    """[B, M, K] x [B, N, K] -> [B, M, N], both operands MXFP8 along K, fp32 accumulation.
+    """[E, C, I] x [E, O, I] -> [E, C, O] (E experts, C rows, I inputs, O outputs), both
+    operands MXFP8 along the contracted I, fp32 accumulation.
 
     native: the hardware's block-scaled GEMM (`jax.nn.scaled_matmul`; where the
     target has one: `Kernels.native_mxfp8`); else the same quantisation, dequantised,
     in an fp32 einsum (bit-for-bit the inputs the hardware would see, so CPU runs
     predict GPU numerics).
     """
-    return _gemm(*_quantized_operands(a_BxMxK, b_BxNxK, scale_rule, native), out_dtype, native)
+    return _gemm(*_quantized_operands(a_ExCxI, b_ExOxI, scale_rule, native), out_dtype, native)
 
 
 def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
@@ -178,19 +179,19 @@ def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
 # check rejects the batched forward). Their backward rules may quantise freely.
 
 
-def mx_linear(x_ExCxK: jax.Array, w_ExKxN: jax.Array, mxfp8_weight_grad: bool = False,
+def mx_linear(x_ExCxI: jax.Array, w_ExIxO: jax.Array, mxfp8_weight_grad: bool = False,
               scale_rule: ScaleRule = "ceil", native: bool = False) -> jax.Array:
     """Per-expert x @ w with MXFP8 operands in the forward and the input gradient.
 
-    Forward: x blocked along K, w along K. Input gradient dx = dy @ w^T: dy and w
-    blocked along N. Weight gradient dw = x^T @ dy over the rows C: bf16 operands
+    Forward: x blocked along I, w along I. Input gradient dx = dy @ w^T: dy and w
+    blocked along O. Weight gradient dw = x^T @ dy over the rows C: bf16 operands
     with fp32 accumulation, or MXFP8 blocked along C when `mxfp8_weight_grad`.
     Every quantisation uses `scale_rule`; every MXFP8 GEMM is native or emulated
     as `native` says (see `mx_bmm`).
     """
     qx, qw = jax.lax.stop_gradient(
-        _quantized_operands(x_ExCxK, jnp.swapaxes(w_ExKxN, 1, 2), scale_rule, native))
-    return _mx_linear(x_ExCxK, w_ExKxN, qx, qw, mxfp8_weight_grad, scale_rule, native)
+        _quantized_operands(x_ExCxI, jnp.swapaxes(w_ExIxO, 1, 2), scale_rule, native))
+    return _mx_linear(x_ExCxI, w_ExIxO, qx, qw, mxfp8_weight_grad, scale_rule, native)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -202,11 +203,11 @@ def _mx_linear_fwd(x, w, qx, qw, mxfp8_weight_grad, scale_rule, native):
     return _gemm(qx, qw, x.dtype, native), (x, w)
 
 
-def _mx_linear_bwd(mxfp8_weight_grad, scale_rule, native, res, dy_ExCxN):
+def _mx_linear_bwd(mxfp8_weight_grad, scale_rule, native, res, dy_ExCxO):
     x, w = res
-    # contracts N: [E, C, N] x [E, K, N]
-    dx = mx_bmm(dy_ExCxN, w, jnp.float32, scale_rule, native)
-    xt, dyt = jnp.swapaxes(x, 1, 2), jnp.swapaxes(dy_ExCxN, 1, 2)  # [E, K, C], [E, N, C]
+    # contracts O: [E, C, O] x [E, I, O]
+    dx = mx_bmm(dy_ExCxO, w, jnp.float32, scale_rule, native)
+    xt, dyt = jnp.swapaxes(x, 1, 2), jnp.swapaxes(dy_ExCxO, 1, 2)  # [E, I, C], [E, O, C]
     if mxfp8_weight_grad:
         dw = mx_bmm(xt, dyt, jnp.float32, scale_rule, native)
     else:

@@ -76,17 +76,17 @@ class StageStack(NamedTuple):
         return a.reshape(self.slots, *a.shape[3:])[:num_layers]
 
     def real(self, num_layers: int) -> jax.Array:
-        """bool [V, S, per]: which slots hold a layer of the model (the rest pad)."""
+        """bool [Vs, S, Lp]: which slots hold a layer of the model (the rest pad)."""
         return jnp.arange(self.slots).reshape(self.virtual, self.stages, self.per) < num_layers
 
 
 def _stage_fn(graphdef, positions_bxL, layout, remat: str, padded: bool):
     """One stage's work for one iteration: its chunk of round `round_` over x."""
 
-    def stage_fn(chunks_V, real_Vxper, round_, x_bxLxD, key):
+    def stage_fn(chunks_Vs, real_VsxLp, round_, x_bxLxD, key):
         pick = lambda a: lax.dynamic_index_in_dim(a, round_, keepdims=False)  # noqa: E731
-        return scan_layers(graphdef, jax.tree.map(pick, chunks_V), x_bxLxD, positions_bxL,
-                           layout, key, remat, active_N=pick(real_Vxper) if padded else None)
+        return scan_layers(graphdef, jax.tree.map(pick, chunks_Vs), x_bxLxD, positions_bxL,
+                           layout, key, remat, active_N=pick(real_VsxLp) if padded else None)
 
     # Only the stages' computation is recomputed: checkpointing the whole iteration
     # would keep the carried store, [M, b/M, L, D], once per iteration; without remat
@@ -127,7 +127,7 @@ def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatche
     layers = layout.stack
     S, M, V = layers.stages, microbatches, layers.virtual
     stage_state = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), state)  # [S, V, per, ...]
-    real_SxVxper = jnp.swapaxes(layers.real(num_layers), 0, 1)
+    real_SxVsxLp = jnp.swapaxes(layers.real(num_layers), 0, 1)
     B, L, D = x_BxLxD.shape
     # Strided split: every micro-batch keeps rows on each data/expert device.
     store_MxbxLxD = x_BxLxD.reshape(B // M, M, L, D).swapaxes(0, 1)
@@ -145,7 +145,7 @@ def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatche
                                                           buffer_spec)
         valid_S, micro_S, round_S = _copies(t, stages_S, M, V)
         keys = None if key is None else jax.random.split(jax.random.fold_in(key, t), S)
-        out_SxbxLxD, aux = run_stages(stage_state, real_SxVxper, round_S, buffer_SxbxLxD, keys)
+        out_SxbxLxD, aux = run_stages(stage_state, real_SxVsxLp, round_S, buffer_SxbxLxD, keys)
         aux = jax.tree.map(lambda a: jnp.where(
             valid_S.reshape((S,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a)), aux)
         store = jnp.where(valid_S[S - 1], lax.dynamic_update_index_in_dim(
@@ -174,7 +174,7 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
     S, M, V = layers.stages, microbatches, layers.virtual
     s = lax.axis_index("stage")
     chunks = jax.tree.map(lambda a: a[:, 0], state)  # [V, per, ...]
-    real_Vxper = jnp.take(layers.real(num_layers), s, axis=1)
+    real_VsxLp = jnp.take(layers.real(num_layers), s, axis=1)
     b, L, D = x_bxLxD.shape
     store_MxmxLxD = x_bxLxD.reshape(b // M, M, L, D).swapaxes(0, 1)  # the same strided split
     stage_fn = _stage_fn(graphdef, positions_bxL[: b // M], layout, remat,
@@ -193,7 +193,7 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
         x_in = jnp.where(s == 0, fresh, inbox_mxLxD)
         valid, micro, round_ = _copies(t, s, M, V)
         k = None if key is None else jax.random.split(jax.random.fold_in(key, t), S)[s]
-        out_mxLxD, aux = stage_fn(chunks, real_Vxper, round_, x_in, k)
+        out_mxLxD, aux = stage_fn(chunks, real_VsxLp, round_, x_in, k)
         aux = jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), aux)
         # The last stage keeps its outputs: after the final round, the model's output.
         kept = jnp.where((s == S - 1) & valid, out_mxLxD,

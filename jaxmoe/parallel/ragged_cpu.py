@@ -34,7 +34,7 @@ def ragged_all_to_all_via_all_to_all(operand, output, input_offsets, send_sizes,
     """`lax.ragged_all_to_all`'s documented semantics from two tiled `all_to_all`s.
 
     The offsets and sizes describe J slices, Jr = J / R per destination rank. The
-    operand has N rows, the output M. recv_sizes is implied by the senders'
+    operand has N rows, the output No. recv_sizes is implied by the senders'
     send_sizes, as the real op requires the two to agree.
     """
     del recv_sizes
@@ -42,12 +42,12 @@ def ragged_all_to_all_via_all_to_all(operand, output, input_offsets, send_sizes,
         raise NotImplementedError("ragged_all_to_all on CPU: axis_index_groups is not supported")
     axis_name = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     R = lax.axis_size(axis_name)
-    J, N, M = input_offsets.shape[0], operand.shape[0], output.shape[0]
+    J, N, No = input_offsets.shape[0], operand.shape[0], output.shape[0]
     in_off_J, size_J, out_off_J = (a.astype(jnp.int32)[:, None]
                                    for a in (input_offsets, send_sizes, output_offsets))
     n_N = jnp.arange(N, dtype=jnp.int32)
     inside_JxN = (n_N >= in_off_J) & (n_N < in_off_J + size_J)
-    pos_JxN = jnp.where(inside_JxN, out_off_J + n_N - in_off_J, M)  # M: not in this slice
+    pos_JxN = jnp.where(inside_JxN, out_off_J + n_N - in_off_J, No)  # No: not in this slice
     # Destination-major in, source-major out: block r then holds what rank r sent here.
     pos_RxJrxN = lax.all_to_all(vary(pos_JxN.reshape(R, J // R, N), axis_name),
                                 axis_name, 0, 0, tiled=True)
