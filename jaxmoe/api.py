@@ -101,8 +101,11 @@ def to_module(params: Params, config: Config) -> Transformer:
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "remat"))
 def _apply(params, tokens_BxL, config, key, mesh, remat):
-    return to_module(params, config)(tokens_BxL, layout=layout_for(config, mesh), key=key,
-                                     remat=remat)
+    layout = layout_for(config, mesh)
+    if layout is not None:  # a mesh with pipeline stages runs the stack as they hold it
+        params = layout.stored(params)
+    return nnx.merge(_abstract(config, "model")[0], params)(tokens_BxL, layout=layout, key=key,
+                                                            remat=remat)
 
 
 def apply(params: Params, tokens_BxL: jax.Array, config: Config, *, key: jax.Array | None = None,

@@ -35,10 +35,10 @@ from jaxmoe.step import Steps, TrainState, abstract_model
 # 2: MoE layers in the saved config's pipeline layout, stage-major ([S, V, per]
 #    flattened); the config said `microbatches` for both. Resumes: read into model order.
 # 1: optax's chained (clip, adam, decay, schedule) states, which 2 cannot restore
-#    into (2 holds jaxmoe.optim.AdamWState); its weights still load.
+#    into (2 holds jaxmoe.optim.AdamWState); its weights, laid out as 2's, still load.
 FORMAT_VERSION = 4
 RESUMES_SINCE = 2
-WEIGHTS_SINCE = 1  # params and router biases are laid out as in format 1
+WEIGHTS_SINCE = 1  # the oldest format whose params and router biases load
 
 
 class CheckpointError(ValueError):
@@ -78,7 +78,7 @@ class _Saved:
         version = meta["format_version"]
         self.stack = StageStack(*meta["moe_stack"]) if version >= 4 and meta["moe_stack"] else None
         self.format2_slots = None
-        if version == 2 and max(cfg.mesh.stage, 1) > 1:
+        if version < 3 and max(cfg.mesh.stage, 1) > 1:  # formats 1 and 2
             self.format2_slots = _format2_slots(cfg)
 
     def layer_dims(self) -> tuple[int, ...]:
@@ -106,15 +106,38 @@ def _format2_slots(cfg: Config) -> np.ndarray:
     return ((v * S + s) * per + j).reshape(-1)
 
 
-def _as_saved(target, saved: _Saved, new_layer_dims: int):
-    """`target` (abstract, placed) with each MoE leaf shaped as saved: its layer
-    dimensions unsplit, the rest placed as the target places them."""
-    def leaf(a):
-        spec = tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))
-        dims = saved.layer_dims()
-        return jax.ShapeDtypeStruct(dims + a.shape[new_layer_dims:], a.dtype, sharding=NamedSharding(
-            a.sharding.mesh, P(*(None,) * len(dims), *spec[new_layer_dims:])))
-    return map_moe_stack(leaf, target)
+def _layered(target, layer_dims: tuple[int, ...]):
+    """Bool tree: which leaves of `target` stack the MoE layers on their leading
+    `layer_dims` (not, e.g., a factored optimizer statistic or a step count)."""
+    def each(path, a):
+        moe = any(getattr(k, "key", None) == "moe_layers" for k in path)
+        return moe and tuple(a.shape[:len(layer_dims)]) == layer_dims
+    return jax.tree_util.tree_map_with_path(each, target)
+
+
+def _as_saved(target, layered, saved: _Saved, new_dims: int):
+    """`target` (abstract, placed) with each layered MoE leaf shaped as saved, the
+    rest of its dimensions placed as the target places them. The saved layer
+    dimensions are split over `stage` where they divide (each stage device reads a
+    part, not the whole stack), else read whole."""
+    dims = saved.layer_dims()
+
+    def leaf(is_layered, a):
+        if not is_layered:
+            return a
+        mesh = a.sharding.mesh
+        rest = (tuple(a.sharding.spec) + (None,) * a.ndim)[new_dims:a.ndim]
+        S = mesh.shape["stage"]
+        lead = (None,) * len(dims)
+        if S > 1 and not any("stage" in ((r,) if isinstance(r, str) else r or ()) for r in rest):
+            if len(dims) == 3 and dims[1] % S == 0:
+                lead = (None, "stage", None)
+            elif len(dims) == 1 and dims[0] % S == 0:
+                lead = ("stage",)
+        return jax.ShapeDtypeStruct(dims + a.shape[new_dims:], a.dtype,
+                                    sharding=NamedSharding(mesh, P(*lead, *rest)))
+
+    return jax.tree.map(leaf, layered, target)
 
 
 def saved_config(meta: dict) -> Config:
@@ -213,24 +236,35 @@ def restore(directory: str | Path, steps: Steps, step: int | None = None) -> tup
 
     Returns the state and the data iterator's state. The checkpoint may come
     from another mesh or pipeline layout: orbax reads each device's slice for the
-    new shardings; a MoE stack held another way is read whole per layer dimension
-    and reshaped into this layout's (one compiled reshape, pad or slice).
+    new shardings; a MoE stack held another way is read in its saved shape (split
+    over `stage` where that divides it) and each leaf reshaped into this layout's
+    (a compiled reshape, pad or slice).
     """
     directory = Path(directory)
     step, meta = read_meta(directory, step)
     check_compatible(meta["config"], steps.cfg, directory / str(step))
     target = abstract_target(steps)
     saved, layout = _Saved(meta), steps.layout
-    new_dims = 1 if layout.stack is None else 3
     same = (saved.stack == layout.stack and saved.format2_slots is None) or (
         steps.cfg.num_moe_layers == 0)
     if same:
         return _read_state(directory, step, ocp.args.StandardRestore(target)), meta["data"]
+    new_dims = (steps.cfg.num_moe_layers,) if layout.stack is None else tuple(layout.stack)
+    layered = _layered(target, new_dims)
     state = _read_state(directory, step, ocp.args.StandardRestore(
-        _as_saved(target, saved, new_dims)))
-    convert = jax.jit(lambda tree: layout.stored(map_moe_stack(saved.in_model_order, tree)),
-                      out_shardings=jax.tree.map(lambda a: a.sharding, target))
-    return convert(state), meta["data"]
+        _as_saved(target, layered, saved, len(new_dims))))
+
+    def to_layout(a):  # saved layer order -> model order -> this layout's
+        a = saved.in_model_order(a)
+        return a if layout.stack is None else layout.stack.stored(a)
+
+    # leaf by leaf: the state is held about once, not read and converted side by side
+    leaves, treedef = jax.tree.flatten(state)
+    flags, places = jax.tree.leaves(layered), jax.tree.leaves(target)
+    for i, (is_layered, place) in enumerate(zip(flags, places)):
+        if is_layered:
+            leaves[i] = jax.jit(to_layout, out_shardings=place.sharding)(leaves[i])
+    return jax.tree.unflatten(treedef, leaves), meta["data"]
 
 
 def restore_weights(directory: str | Path, step: int | None = None) -> tuple[nnx.State, Config]:

@@ -97,6 +97,10 @@ def check_divisibility(cfg: Config, mesh: Mesh) -> None:
                           f"micro-batches cannot be split over data x expert = {n_batch} devices")
     if cfg.num_moe_layers:
         check_expert_split(cfg.moe.num_experts, mesh.shape["expert"])
+    S, V = mesh.shape["stage"], cfg.pipeline.virtual_stages
+    if S > 1 and cfg.num_moe_layers < S * V:  # mesh.stage: -1 resolves only here
+        raise ConfigError(f"mesh.stage: {cfg.num_moe_layers} MoE layers cannot fill {S} stages "
+                          f"x {V} virtual stages")
     if cfg.mesh.parallelism == "fsdp" and cfg.model.d_model % mesh.shape["data"]:
         raise ConfigError(f"model.d_model: {cfg.model.d_model} cannot be split over "
                           f"mesh.data={mesh.shape['data']} for fsdp")

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxmoe import sharding
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.load_metrics import load_metrics
+from jaxmoe.model.moe import MEAN_STATS
 from jaxmoe.model.transformer import Transformer
 from jaxmoe.optim import (learning_rate_schedule, make_optimizer, param_names,
                           unmatched_patterns, updates_are_elementwise)
@@ -149,9 +150,8 @@ def step_metrics(cfg: Config, layout, loss, ce, aux, grad_norm, lr, finite, num_
     metrics = {"loss": loss / A, "ce": ce / A, "grad_norm": grad_norm, "lr": lr,
                "skipped": (~finite).astype(jnp.int32)}
     if cfg.num_moe_layers:
-        aux = {**aux, "balance_loss": aux["balance_loss"] / A, "z_loss": aux["z_loss"] / A}
-        metrics["balance_loss"] = jnp.mean(aux["balance_loss"])
-        metrics["z_loss"] = jnp.mean(aux["z_loss"])
+        aux = {**aux, **{k: aux[k] / A for k in MEAN_STATS}}
+        metrics |= {k: jnp.mean(aux[k]) for k in MEAN_STATS}
         metrics |= load_metrics(aux, num_tokens, cfg.moe.top_k, layout.mesh.shape["expert"],
                                 cfg.moe.balance_loss_weight)
     return metrics
@@ -175,8 +175,8 @@ def new_buffers(cfg: Config, layout, state: TrainState, aux, finite) -> nnx.Stat
 
 
 class AutoProgram:
-    """fsdp (and the API's `mesh=`): one program on global arrays; XLA places the
-    reductions (inside the accumulation loop, as it chooses)."""
+    """fsdp: one program on global arrays; XLA places the reductions (inside the
+    accumulation loop, as it chooses)."""
 
     def __init__(self, cfg: Config, layout: GlobalLayout, use_specs: nnx.State):
         self.cfg, self.layout, self.use_specs = cfg, layout, use_specs
@@ -230,9 +230,7 @@ class DeviceProgram:
 
     def working(self, params):
         """Cast, then (ZeRO-1 bf16 masters) gathered, then per device: made once a step."""
-        working = jax.tree_util.tree_map_with_path(
-            lambda path, p: p if _stays_fp32(path, p) else p.astype(self.cfg.model.compute_dtype),
-            params)
+        working = _cast_matrices(params, self.cfg.model.compute_dtype)
         if self.sharded_master:
             working = jax.tree.map(ddp.gather_shards, working, self.plans)
         return jax.tree.map(ddp.to_per_device, working, self.plans)
@@ -245,8 +243,7 @@ class DeviceProgram:
         # over every axis: stages hold disjoint layers (zeros elsewhere) and the
         # last stage's loss (`DeviceLayout.ce_share`)
         total = lambda v: ddp.psum_everywhere(v, self.mesh.axis_names)  # noqa: E731
-        aux = {k: total(v) / (self.n_batch if k in ("balance_loss", "z_loss") else 1)
-               for k, v in aux.items()}
+        aux = {k: total(v) / (self.n_batch if k in MEAN_STATS else 1) for k, v in aux.items()}
         return total(loss) / self.n_batch, total(ce) / self.n_batch, aux
 
     def norm(self, grads):
@@ -323,18 +320,19 @@ def working_copy(cfg: Config, mesh: Mesh, params: nnx.State, specs: nnx.State) -
     the router stay fp32. The identity for fp32 compute."""
     if cfg.model.compute_dtype == "float32":
         return params
-    dtype = jnp.dtype(cfg.model.compute_dtype)
+    return jax.tree.map(lambda p, spec: jax.lax.with_sharding_constraint(
+        p, NamedSharding(mesh, spec)), _cast_matrices(params, cfg.model.compute_dtype), specs,
+        is_leaf=lambda x: isinstance(x, P))
 
-    def cast(path, p, spec):
-        p = p if _stays_fp32(path, p) else p.astype(dtype)
-        return jax.lax.with_sharding_constraint(p, NamedSharding(mesh, spec))
 
-    return jax.tree_util.tree_map_with_path(cast, params, specs,
-                                            is_leaf=lambda x: isinstance(x, P))
+def _cast_matrices(params, dtype):
+    """Matrices in `dtype`; norms, biases and the router stay fp32 whatever the
+    compute dtype."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: p if _stays_fp32(path, p) else p.astype(dtype), params)
 
 
 def _stays_fp32(path, p) -> bool:
-    """Norms, biases and the router compute in fp32 whatever the compute dtype."""
     return p.ndim < 2 or "router" in jax.tree_util.keystr(path)
 
 
@@ -362,9 +360,10 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
     check_optimizer(cfg, mesh, abs_params, shard_specs)
 
     def init(key):
-        model = Transformer(cfg, nnx.Rngs(params=key))  # model order: the same on any mesh
+        # the same model on any mesh, made as the layout holds it (each stage's chunks
+        # drawn on that stage)
+        model = Transformer(cfg, nnx.Rngs(params=key), held=layout.stack)
         _, params, buffers = nnx.split(model, nnx.Param, ...)
-        params, buffers = layout.stored(params), layout.stored(buffers)
         zero = jnp.zeros((), jnp.int32)
         return TrainState(zero, params, buffers, tx.init(params), key, zero)
 
@@ -442,8 +441,7 @@ def with_weights(steps: Steps, state: TrainState, weights: dict) -> TrainState:
     params, buffers = abs_params, abs_buffers
     params.replace_by_pure_dict(_only(weights, params.to_pure_dict()))
     buffers.replace_by_pure_dict(_only(weights, buffers.to_pure_dict()))
-    shardings = steps.state_shardings
-    stored = jax.jit(steps.layout.stored)
+    shardings, stored = steps.state_shardings, steps.layout.stored  # on the host
     return state._replace(params=jax.device_put(stored(params), shardings.params),
                           buffers=jax.device_put(stored(buffers), shardings.buffers))
 

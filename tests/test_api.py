@@ -240,3 +240,6 @@ def test_load_params_from_a_padded_circular_pipeline(tmp_path):
     assert jax.tree.leaves(params["moe_layers"])[0].shape[0] == 6
     got, _ = jaxmoe.apply(params, tokens, local)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    # the same model-order params on the pipeline's mesh: held and run by stage
+    staged, _ = jaxmoe.apply(params, tokens, cfg, mesh=steps.mesh)
+    np.testing.assert_allclose(np.asarray(staged), np.asarray(ref), rtol=2e-5, atol=2e-5)

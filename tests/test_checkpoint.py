@@ -175,13 +175,21 @@ def test_a_circular_pipeline_checkpoint_resumes_under_other_layouts(tmp_path):
     batch = np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)
     state, _ = steps.train_step(state, jax.device_put(batch, steps.batch_sharding))
     model = in_model_order(_state_values(state), cfg)  # what every layout must restore
-    # format 3 held model order; format 2 the pipeline's stage-major slots, padded
+    # format 3 held model order; formats 2 and 1 the pipeline's stage-major slots, padded
     slots = np.array([0, 1, 4, 5, 2, 3, 6, 7])
-    as_format = {
-        checkpoint.FORMAT_VERSION: None,
-        3: jax.device_get(steps.layout.in_model_order(state)),
-        2: map_moe_stack(lambda a: np.asarray(a).reshape((8,) + a.shape[3:])[slots],
-                         jax.device_get(state))}
+    stage_major = map_moe_stack(lambda a: np.asarray(a).reshape((8,) + a.shape[3:])[slots],
+                                jax.device_get(state))
+    as_format = {checkpoint.FORMAT_VERSION: None,
+                 3: jax.device_get(steps.layout.in_model_order(state)), 2: stage_major,
+                 1: stage_major}
+    # other meshes, one a pipeline of another stack ([1, 2, 3]: no virtual stages)
+    others = [config_from_dict({**CIRCULAR, "mesh": mesh, "pipeline": pipeline,
+                                "moe": {**CIRCULAR["moe"], "dispatcher": dispatcher}})
+              for mesh, dispatcher, pipeline in [
+                  ({"data": 8}, "grouped", {}), ({"data": 4, "expert": 2}, "alltoall", {}),
+                  ({"data": 4, "stage": 2}, "grouped", {"stage_microbatches": 2})]]
+    others = [(other, build_steps(other, make_mesh(other.mesh))) for other in others]
+    assert others[-1][1].layout.stack == StageStack(1, 2, 3)
     for version, laid_out in as_format.items():
         run = tmp_path / f"v{version}"
         if laid_out is None:
@@ -189,24 +197,24 @@ def test_a_circular_pipeline_checkpoint_resumes_under_other_layouts(tmp_path):
             checkpoint.save(manager, state, {"step": 1}, steps)
             manager.wait_until_finished()
         else:
-            config = _format_2_config(cfg) if version == 2 else cfg.to_dict()
+            config = _format_2_config(cfg) if version <= 2 else cfg.to_dict()
             _write(run, cfg, laid_out, version, {"config": config})
-        for mesh, dispatcher in [({"data": 8}, "grouped"), ({"data": 4, "expert": 2}, "alltoall")]:
-            other = config_from_dict({**CIRCULAR, "mesh": mesh, "pipeline": {},
-                                      "moe": {**CIRCULAR["moe"], "dispatcher": dispatcher}})
-            other_steps = build_steps(other, make_mesh(other.mesh))
+        weights, _ = checkpoint.restore_weights(checkpoint.checkpoint_dir(run))
+        chex.assert_trees_all_equal(jax.device_get(weights), nnx.merge_state(model[0], model[2]))
+        if version < checkpoint.RESUMES_SINCE:
+            continue  # only its weights load
+        for other, other_steps in others:
             restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(run), other_steps)
-            chex.assert_trees_all_equal(_state_values(restored), model)
+            chex.assert_trees_all_equal(in_model_order(_state_values(restored), other), model)
         # and back into the circular layout: the same state, padding zeroed
         restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(run), steps)
         chex.assert_trees_all_equal(in_model_order(_state_values(restored), cfg), model)
         pads = ~np.asarray(steps.layout.stack.real(cfg.num_moe_layers))
         moe = jax.tree.leaves(_state_values(restored)[0]["moe_layers"])
         assert all(not np.any(np.asarray(a)[pads]) for a in moe)
-        weights, _ = checkpoint.restore_weights(checkpoint.checkpoint_dir(run))
-        chex.assert_trees_all_equal(jax.device_get(weights), nnx.merge_state(model[0], model[2]))
     # and trains on in another layout
-    restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(run), other_steps)
+    current = checkpoint.checkpoint_dir(tmp_path / f"v{checkpoint.FORMAT_VERSION}")
+    restored, _ = checkpoint.restore(current, other_steps)
     restored, metrics = other_steps.train_step(restored,
                                                jax.device_put(batch, other_steps.batch_sharding))
     assert np.isfinite(float(metrics["loss"])) and int(restored.step) == 2

@@ -17,6 +17,7 @@ from jaxmoe.config import ConfigError, config_from_dict
 from jaxmoe.parallel.layout import layout_for
 from jaxmoe.parallel.pipeline import StageStack, bubble_fraction
 from jaxmoe.sharding import make_mesh, per_device_shapes
+from jaxmoe.model.transformer import Transformer
 from jaxmoe.step import build_steps
 
 from model_order import in_model_order, same_init
@@ -150,8 +151,36 @@ def test_pipeline_config_errors():
     open_stage = config_from_dict({**BASE, "mesh": {"data": 2, "stage": -1}})
     steps = build_steps(open_stage, make_mesh(open_stage.mesh, jax.devices()[:6]))
     assert steps.layout.stack == StageStack(1, 3, 2)
+    # -1 resolved to 8 stages: refused when the mesh is known, before compiling
+    with pytest.raises(ConfigError, match="^mesh.stage: 4 MoE layers cannot fill 8 stages"):
+        build_steps(config_from_dict({**BASE, "mesh": {"data": 1, "stage": -1}}),
+                    make_mesh(config_from_dict({**BASE, "mesh": {"data": 1, "stage": -1}}).mesh))
     with pytest.raises(ConfigError, match="^pipeline.stage_microbatches"):
         config_from_dict({**BASE, "pipeline": {"stage_microbatches": 3}})
+
+
+def test_circular_init_holds_no_more_than_one_round():
+    """Init draws each stage's chunks on that stage: with two virtual stages its
+    scratch memory is the one-round pipeline's, where drawing the stack in model
+    order and then reshaping it into [V, S, per] would move every layer across
+    stages through a whole gathered copy."""
+    temps = {}
+    for V in (1, 2):
+        cfg = config_from_dict({**BASE, "model": {**BASE["model"], "num_layers": 9},
+                                "mesh": {"data": 4, "stage": 2},
+                                "pipeline": {"stage_microbatches": 2, "virtual_stages": V}})
+        steps = build_steps(cfg, make_mesh(cfg.mesh))
+        key = jax.random.PRNGKey(0)
+        temps[V] = steps.init.lower(key).compile().memory_analysis().temp_size_in_bytes
+
+    def reshaped(key):  # the model-order draw, laid out afterwards
+        _, params, _ = nnx.split(Transformer(cfg, nnx.Rngs(params=key)), nnx.Param, ...)
+        return steps.layout.stored(params)
+
+    by_reshape = jax.jit(reshaped, out_shardings=steps.state_shardings.params).lower(
+        key).compile().memory_analysis().temp_size_in_bytes
+    assert temps[2] <= temps[1] * 1.05
+    assert by_reshape > 2 * temps[2]
 
 
 def test_stage_stack_flattens_to_model_order():

@@ -161,6 +161,32 @@ def test_ddp_pipeline_step_equals_single_device(pipeline, accumulation, dispatch
     _first_step_matches(got, want)
 
 
+@pytest.mark.parametrize("mesh, pipeline, dispatcher", [
+    ({"data": 2, "expert": 4}, None, "alltoall"),
+    (PIPE, CIRCULAR, "ragged"),
+])
+def test_ddp_eval_equals_single_device(mesh, pipeline, dispatcher):
+    """Held-out loss through the per-device program (expert-parallel, and a circular
+    pipeline whose last stage alone holds the output) is one device's: ~256 tokens'
+    fp32 sums reordered (2^-16 relative bounds them); a share counted on every stage
+    would be 2x. A wide init (not the ~uniform ln 256 of the default) makes two
+    batches' losses differ by far more."""
+    wide = ["model.init_std=0.3"]
+    cfg = override_config(_cfg(mesh, 1, pipeline=pipeline, dispatcher=dispatcher), wide)
+    one = override_config(_cfg(None, 1, pipeline=None if pipeline is None else {},
+                               dispatcher="dense"), wide)
+    assert cfg.mesh.parallelism == "ddp" and cfg.num_moe_layers == one.num_moe_layers
+    batches = _batches(2)
+    evals = []
+    for c, devices in [(cfg, jax.devices()), (one, jax.devices()[:1])]:
+        steps = build_steps(c, make_mesh(c.mesh, devices))
+        state = steps.init(jax.random.PRNGKey(0))
+        evals.append([float(steps.eval_step(state, jax.device_put(b, steps.batch_sharding))["ce"])
+                      for b in batches])
+    np.testing.assert_allclose(evals[0], evals[1], rtol=2.0 ** -16)
+    assert abs(evals[1][0] - evals[1][1]) > 2.0 ** -8 * evals[1][0]
+
+
 @pytest.mark.parametrize("mesh, dispatcher", [
     ({"data": 2, "expert": 4, "parallelism": "ddp"}, "ragged"),
     ({"data": 8, "parallelism": "ddp", "zero1": False}, "grouped"),

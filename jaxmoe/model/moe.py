@@ -12,6 +12,10 @@ from jaxmoe.model.experts import Experts
 from jaxmoe.model.layers import MLP
 from jaxmoe.model.router import Router, balance_loss, expert_counts, z_loss
 
+# The router statistics that are means over a call's tokens (totalled over batch
+# shards or micro-batches, they are averaged); the other aux entries are sums.
+MEAN_STATS = ("balance_loss", "z_loss")
+
 
 class MoE(nnx.Module):
     def __init__(self, d_model: int, cfg: MoEConfig, std: float, out_std: float, rngs: nnx.Rngs):

@@ -15,6 +15,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -75,17 +76,44 @@ def map_moe_stack(fn, tree):
     return jax.tree_util.tree_map_with_path(each, tree)
 
 
-def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs) -> Block:
+def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs, held=None) -> Block:
+    """n blocks stacked on a leading `layers` axis, layer i drawn from the i-th of the
+    rng stream's splits (a prefix of any longer split's).
+
+    held: a `StageStack` (a pipeline's): the stack made as its stages hold it,
+    [V, S, per, ...], the same layers as ever at their model-order positions and
+    zeros in the padding. Each stage's chunks are drawn stage-major ([S, V, per]
+    flattened), so a program sharded over `stage` draws each chunk on its stage.
+    """
     # MoE layers are what pipeline stages split ("layers" -> stage); the few dense
     # layers in front run replicated, like the embedding.
     axis = "layers" if use_moe else "dense_layers"
 
-    @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
-    def make(rngs):
-        return Block(cfg, use_moe, rngs)
+    def make(key, count):
+        r = nnx.Rngs(params=key)
+        r.params.count[...] = count
+        return Block(cfg, use_moe, r)
 
-    return make(rngs)
+    make = nnx.vmap(make, in_axes=(0, 0), out_axes=0,
+                    transform_metadata={nnx.PARTITION_NAME: axis})
+    slots = n if held is None else held.slots
+    forked = nnx.split_rngs(rngs, splits=slots, graph_updates=False).params
+    keys, counts = forked.key[...], forked.count[...]
+    if held is None:
+        return make(keys, counts)
+    V, S, per = held
+    # slot (s, v, j) of the stage-major draw is model layer (v S + s) per + j
+    s_, v_, j_ = np.meshgrid(np.arange(S), np.arange(V), np.arange(per), indexing="ij")
+    order = ((v_ * S + s_) * per + j_).reshape(-1)
+    blocks = make(keys[order], counts[order])
+    real = held.real(n)
+
+    def to_held(a):  # [S V per, ...] -> [V, S, per, ...], padding zeroed
+        a = jnp.swapaxes(a.reshape(S, V, per, *a.shape[1:]), 0, 1)
+        return jnp.where(real.reshape(real.shape + (1,) * (a.ndim - 3)), a, jnp.zeros((), a.dtype))
+
+    nnx.update(blocks, jax.tree.map(to_held, nnx.state(blocks)))
+    return blocks
 
 
 def run_stack(stack: Block, x_BxLxD, positions_BxL, layout, key, remat: str):
@@ -115,13 +143,15 @@ def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: Config, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, rngs: nnx.Rngs, held=None):
+        """held: a pipeline's `StageStack`, to make the MoE stack as its stages hold it
+        (the same values, [V, S, per, ...]); None: [Lm, ...] in model order."""
         m = cfg.model
         self.embed = param(rngs, (m.vocab_size, m.d_model), ("vocab", "embed"), m.init_std)
         if m.num_dense_layers:
             self.dense_layers = _stack(cfg, False, m.num_dense_layers, rngs)
         if cfg.num_moe_layers:
-            self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, rngs)
+            self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, rngs, held)
         self.final_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
         self.head = param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.init_std)
         self.cfg = cfg
@@ -155,7 +185,8 @@ class Transformer(nnx.Module):
         return x, aux
 
     def moe_stack(self) -> tuple[nnx.GraphDef, nnx.State]:
-        """The MoE layers' graphdef and stacked state, in model order."""
+        """The MoE layers' graphdef and stacked state: [Lm, ...] in model order, or
+        [V, S, per, ...] for a model made `held` by pipeline stages."""
         return nnx.split(self.moe_layers)
 
     def logits(self, x_BxLxD: jax.Array, layout=None) -> jax.Array:

@@ -83,7 +83,7 @@ def gather_shards(x: jax.Array, r: Reduction) -> jax.Array:
 
 def to_per_device(w: jax.Array, r: Reduction) -> jax.Array:
     """w as a per-device value, so its gradient stays local until `reduce_gradient`."""
-    return lax.pcast(w, r.varying_axes, to="varying") if r.varying_axes else w
+    return vary(w, r.varying_axes)
 
 
 def global_norm(grads, reductions, mesh: Mesh) -> jax.Array:

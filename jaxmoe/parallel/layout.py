@@ -3,16 +3,17 @@
 The training step asks a layout where every tensor lives (the rules table of
 `mesh.parallelism`, ZeRO-1, the batch split, and, with pipeline stages, the MoE
 stack held as [V, S, per, ...] chunks: `StageStack`, model order when flattened)
-and checks the config against the mesh through it. The model never sees the mesh. It takes a layout (or None:
-the default device, local dispatchers) and asks it six things: which kernels
-its devices run (`kernels`: attention, MXFP8, the ragged exchange, read from the
-mesh's devices, not the host's), pin activations to the batch split, run an MoE
-layer's dispatch, total a per-shard router statistic over the batch, run the
-stacked MoE layers (a scan, or a pipeline over `stage`), and weigh the loss it
-computed (with pipeline stages, only the last stage's output counts).
+and checks the config against the mesh through it. The model never sees the
+mesh. It takes a layout (or None: the default device, local dispatchers) and
+asks it six things: which kernels its devices run (`kernels`: attention, MXFP8,
+the ragged exchange, read from the mesh's devices, not the host's), pin
+activations to the batch split, run an MoE layer's dispatch, total a per-shard
+router statistic over the batch, run the stacked MoE layers (a scan, or a
+pipeline over `stage`), and weigh the loss it computed (with pipeline stages,
+only the last stage's output counts).
 
 - `GlobalLayout`: the model sees global arrays and XLA partitions the program
-  (fsdp, eval, the pure-function API with `mesh=`). Expert-parallel dispatchers
+  (fsdp, and the pure-function API with `mesh=`). Expert-parallel dispatchers
   open their own `shard_map`.
 - `DeviceLayout`: the model runs inside the ddp step's `shard_map` on one
   device's rows, its dense replicas and its slice of the experts (and, with
@@ -96,8 +97,10 @@ class GlobalLayout:
             return specs
 
         def stage_view(path, var):
-            moe = any(getattr(k, "key", None) == "moe_layers" for k in path)
-            return var.replace(P(None, *var.get_value()[:1], None, *var.get_value()[1:])) if moe else var
+            if not any(getattr(k, "key", None) == "moe_layers" for k in path):
+                return var
+            layers, *rest = var.get_value()
+            return var.replace(P(None, layers, None, *rest))
 
         return jax.tree_util.tree_map_with_path(stage_view, specs,
                                                 is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -143,12 +146,14 @@ class GlobalLayout:
     def dispatch(self, x_TxD, routing, weights, cfg: MoEConfig) -> Dispatched:
         return dispatch_on_mesh(x_TxD, routing, weights, cfg, self.mesh)
 
+    _pipeline = staticmethod(pipeline)  # the schedule on global arrays
+
     def run_moe_stack(self, model, x_BxLxD, positions_BxL, key, remat: str):
         """`model`'s MoE layers over x: a pipeline of the stored stack when `stage` > 1,
         else a scan in model order. Returns x and the per-layer aux in model order."""
         if self.stack is not None:
-            return pipeline(model.moe_layers, x_BxLxD, positions_BxL, self, key, remat,
-                            self.cfg.pipeline.stage_microbatches, self.cfg.num_moe_layers)
+            return self._pipeline(model.moe_layers, x_BxLxD, positions_BxL, self, key, remat,
+                                  self.cfg.pipeline.stage_microbatches, self.cfg.num_moe_layers)
         graphdef, state = model.moe_stack()
         return scan_layers(graphdef, state, x_BxLxD, positions_BxL, self, key, remat)
 
@@ -193,12 +198,7 @@ class DeviceLayout(GlobalLayout):
         return lax.dynamic_slice_in_dim(self.stack.stored(a_Lmx), lax.axis_index("stage"), 1,
                                         axis=1)
 
-    def run_moe_stack(self, model, x_BxLxD, positions_BxL, key, remat: str):
-        if self.stack is not None:
-            return device_pipeline(model.moe_layers, x_BxLxD, positions_BxL, self, key, remat,
-                                   self.cfg.pipeline.stage_microbatches, self.cfg.num_moe_layers)
-        graphdef, state = model.moe_stack()
-        return scan_layers(graphdef, state, x_BxLxD, positions_BxL, self, key, remat)
+    _pipeline = staticmethod(device_pipeline)  # one device's stage of the schedule
 
 
 def layout_for(cfg: Config, mesh: Mesh | None) -> GlobalLayout | None:

@@ -22,7 +22,7 @@ Router statistics of iterations where a stage holds no real micro-batch, and of
 padding slots, are masked out, so every MoE layer's losses and loads are those of
 the real data, in model order.
 
-`pipeline` is that program on global arrays (XLA partitions it: fsdp, eval, the
+`pipeline` is that program on global arrays (XLA partitions it: fsdp and the
 API): all stages advance together under a `vmap` over the stage dimension, and a
 roll along it (a collective-permute) hands activations on. `device_pipeline` is
 the same schedule for one device inside the ddp step's `shard_map`: it runs only
@@ -36,10 +36,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxmoe.model.moe import MEAN_STATS
 from jaxmoe.model.remat import REMAT_POLICIES
 from jaxmoe.model.transformer import scan_layers
 from jaxmoe.sharding import BATCH_AXES
@@ -51,7 +53,8 @@ def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> 
 
 
 class StageStack(NamedTuple):
-    """The MoE stack as stages hold it: [V, S, per, ...], model order when flattened."""
+    """The MoE stack as stages hold it: [V, S, per, ...] (shape letters Vs, S, Lp),
+    model order when flattened."""
 
     virtual: int  # V: chunks per stage
     stages: int  # S
@@ -66,9 +69,11 @@ class StageStack(NamedTuple):
         return self.virtual * self.stages * self.per
 
     def stored(self, a: jax.Array) -> jax.Array:
-        """[Lm, ...] in model order -> [V, S, per, ...], zero padding after the last layer."""
+        """[Lm, ...] in model order -> [V, S, per, ...], zero padding after the last layer
+        (a numpy array stays one: host-side weights are laid out without compiling)."""
+        xp = np if isinstance(a, np.ndarray) else jnp
         pad = self.slots - a.shape[0]
-        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) if pad else a
+        a = xp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) if pad else a
         return a.reshape(self.virtual, self.stages, self.per, *a.shape[1:])
 
     def model(self, a: jax.Array, num_layers: int) -> jax.Array:
@@ -113,7 +118,7 @@ def _per_layer(aux, round_, stage, stack: StageStack, num_layers: int, M: int):
         return chunks.reshape((stack.slots,) + a.shape[round_.ndim + 1:])[:num_layers]
 
     out = jax.tree.map(one, aux)
-    for mean_key in ("balance_loss", "z_loss"):
+    for mean_key in MEAN_STATS:
         out[mean_key] = out[mean_key] / M
     return out
 
