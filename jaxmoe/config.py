@@ -168,6 +168,14 @@ class TrainConfig:
     # 0: logits for the whole sequence at once; N: the LM head and cross-entropy run
     # N positions at a time (recomputed in the backward), never holding B x L x V logits
     loss_chunk: int = 0
+    # 0: the dense layers' MLP over every position at once; N: N positions at a time,
+    # each slice recomputed in the backward (a [B, N, 2 mlp_hidden] hidden at once)
+    dense_mlp_chunk: int = 0
+    # dtype the ddp step reduces the matrices' gradients in, widened into the fp32
+    # ZeRO-1 shard: bfloat16 sends half the bytes and never holds a whole fp32
+    # gradient, each addition of the sum rounded to bf16 (norms and the router
+    # reduce in fp32 either way)
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0
     eval_every: int = 100  # 0: only at the end
     eval_batches: int = 8
@@ -255,9 +263,13 @@ def validate(c: Config) -> None:
     if m.attention_block:
         _require(t.seq_len % m.attention_block == 0, "model.attention_block",
                  f"{m.attention_block} does not divide train.seq_len={t.seq_len}")
-    if t.loss_chunk:
-        _require(t.seq_len % t.loss_chunk == 0, "train.loss_chunk",
-                 f"{t.loss_chunk} does not divide train.seq_len={t.seq_len}")
+    for key in ("loss_chunk", "dense_mlp_chunk"):
+        chunk = getattr(t, key)
+        _require(not chunk or t.seq_len % chunk == 0, f"train.{key}",
+                 f"{chunk} does not divide train.seq_len={t.seq_len}")
+    _require(t.grad_reduce_dtype == "float32" or c.mesh.parallelism == "ddp",
+             "train.grad_reduce_dtype", f"{t.grad_reduce_dtype} applies to the ddp step, whose "
+             f"reductions it places; mesh.parallelism is {c.mesh.parallelism}")
     _require(m.num_dense_layers <= m.num_layers, "model.num_dense_layers",
              f"{m.num_dense_layers} exceeds num_layers={m.num_layers}")
     if m.num_dense_layers:

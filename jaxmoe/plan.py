@@ -4,9 +4,12 @@ Proves (or refutes) that a configuration fits, without allocating the model: low
 and compiles the real train step against abstract inputs, one device per device
 of the mesh, and reads from the compiled program, per device: parameter,
 optimizer-state, gradient and activation memory and the peak; the bytes each kind
-of collective moves per step; the FLOPs of its matrix products per named scope
-and pass, and what the expert GEMMs do against the routed rows' work. From the
-device's datasheet it predicts step time and tokens/s, printing its assumptions.
+of collective moves per step, within hosts and between them; the FLOPs of its
+matrix products per named scope and pass, and what the expert GEMMs do against
+the routed rows' work. From the device's datasheet it predicts step time and
+tokens/s at an assumed MFU, and bounds the model TFLOP/s per device at the
+datasheet's peaks and link bandwidths (`--reference-tflops` prints a measured
+figure beside it), printing its assumptions.
 
 --target h100|h200|b200|b300 compiles for that GPU with XLA:GPU's own compiler,
 which runs without a GPU (`jaxmoe.targets`; the `gpu-compile` extra): the program
@@ -112,15 +115,45 @@ def peak_bytes(memory) -> int:
 
 
 def scale_out_bytes(ops, mesh) -> dict[str, int]:
-    """Per kind, the bytes sent per device by collectives whose groups span hosts: an
-    upper bound on what crosses the network (a ring over two hosts sends only part of
-    its traffic between them)."""
+    """Per kind, the bytes sent per device over the network between hosts: an
+    all-to-all's share for peers on other hosts; all of any other collective whose
+    groups span hosts (an upper bound: a ring over two hosts sends only part of its
+    traffic between them)."""
     host = [d.process_index for d in mesh.devices.flat]  # the program's device order
     out = {}
     for c in ops:
-        if c.sent_bytes and any(len({host[i] for i in g}) > 1 for g in c.groups):
-            out[c.kind] = out.get(c.kind, 0) + int(round(c.sent_bytes * c.runs))
+        if not c.sent_bytes or all(len({host[i] for i in g}) == 1 for g in c.groups):
+            continue
+        share = 1.0
+        if c.kind == "all-to-all":  # an equal part to each peer; those on its host stay on NVLink
+            g = c.groups[0]
+            share = sum(host[i] != host[g[0]] for i in g) / (len(g) - 1)
+        out[c.kind] = out.get(c.kind, 0) + int(round(c.sent_bytes * c.runs * share))
     return out
+
+
+def throughput_bound(cfg, model_flops: float, flops_by_scope: dict, moved: dict, across: dict,
+                     datasheet, native_mxfp8: bool) -> dict:
+    """The most model FLOP/s per GPU this program allows on `datasheet`'s peaks and
+    links: its matrix products at peak (the MXFP8 expert GEMMs at the fp8 peak), its
+    collectives at link bandwidth, NVLink and the network in parallel. A bound from
+    the compiled program, not a measurement."""
+    experts = flops_by_scope.get("expert_gemms", {})
+    fp8_share = 1.0 if cfg.moe.mxfp8_weight_grad else 0.5  # backward: dgrad fp8, wgrad bf16
+    fp8 = (experts.get("forward", 0.0) + experts.get("recompute", 0.0)
+           + fp8_share * experts.get("backward", 0.0)) if native_mxfp8 else 0.0
+    total = sum(sum(v.values()) for v in flops_by_scope.values())
+    compute_s = (total - fp8) / datasheet.peak("bf16") + (fp8 / datasheet.peak("fp8") if fp8 else 0)
+    out_bytes = sum(across.values())
+    scale_up_s = (sum(moved.values()) - out_bytes) / datasheet.scale_up
+    scale_out_s = out_bytes / datasheet.scale_out
+    overlapped = max(compute_s, scale_up_s, scale_out_s)
+    serial = compute_s + scale_up_s + scale_out_s
+    return {"compute_s_at_peak": compute_s, "fp8_flops": fp8, "bf16_flops": total - fp8,
+            "fp8_peak": datasheet.peak("fp8"), "bf16_peak": datasheet.peak("bf16"),
+            "scale_up_s": scale_up_s, "scale_out_s": scale_out_s,
+            "model_tflops_bound": model_flops / overlapped / 1e12,
+            "model_tflops_no_overlap": model_flops / serial / 1e12}
 
 
 def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: float) -> dict:
@@ -171,6 +204,8 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
               + sum(across.values()) / datasheet.scale_out)
     counts = param_counts(cfg)
     kernels = step_kernels(mesh, cfg)
+    bound = throughput_bound(cfg, model_flops, flops.by_scope, moved, across, datasheet,
+                             kernels["native_mxfp8"])
     return {
         "config": config_path, "target": target, "mesh": dict(mesh.shape), "devices": n,
         "device": device, "parallelism": cfg.mesh.parallelism, "dispatcher": cfg.moe.dispatcher,
@@ -202,6 +237,7 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
                       "tokens_per_s_full_overlap": tokens / max(compute_s, comm_s),
                       "model_tflops_per_device": [model_flops / (compute_s + comm_s) / 1e12,
                                                   model_flops / max(compute_s, comm_s) / 1e12]},
+        "bound": bound,
         "fits": peak <= datasheet.memory, "device_memory": datasheet.memory,
         # JAX preallocates 75% of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says more
         "memory_fraction_needed": peak / datasheet.memory,
@@ -212,9 +248,10 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
                         f"{datasheet.scale_up / 1e9:.0f} GB/s per direction per GPU on NVLink, "
                         f"{datasheet.scale_out / 1e9:.0f} GB/s between hosts",
                         f"model FLOPs at {mfu:.0%} of peak", "every collective byte crosses a "
-                        "link once (ring costs from each op's replica groups), all of a "
-                        "collective whose groups span hosts the network; no overlap vs "
-                        "perfect overlap bound the step",
+                        "link once (ring costs from each op's replica groups); between "
+                        "hosts: an all-to-all's share for peers on other hosts, all of any "
+                        "other collective whose groups span hosts; no overlap vs perfect "
+                        "overlap bound the step",
                         "gradients counted in fp32 at their parameters' sharding"] + notes,
     }
 
@@ -245,7 +282,7 @@ def print_plan(p: dict) -> None:
         print(f"  {key + ' per step':28s} {gb(v):>12s} sent per device, "
               f"{p['collective_runs_per_step'][key]} runs, "
               f"{p['collective_ops_in_loops'][key]} ops in loops"
-              + (f", {gb(across)} in groups across hosts" if across else ""))
+              + (f", {gb(across)} between hosts" if across else ""))
     print(f"  {'model FLOPs per step':28s} {p['model_flops_per_step_per_device']:.3e} per device")
     print(f"  {'program FLOPs per step':28s} {p['program_flops_total']:.3e} per device "
           "(matrix products; forward / backward / recompute):")
@@ -270,6 +307,16 @@ def print_plan(p: dict) -> None:
           f"{pr['tokens_per_s_no_overlap']:,.0f}-{pr['tokens_per_s_full_overlap']:,.0f} tokens/s, "
           f"{pr['model_tflops_per_device'][0]:,.0f}-{pr['model_tflops_per_device'][1]:,.0f} "
           "model TFLOP/s per device")
+    b = p["bound"]
+    reference = f"; measured by the reference: {p['reference_tflops']:,.0f}" \
+        if p.get("reference_tflops") else ""
+    print(f"  bound, not a measurement: at most {b['model_tflops_bound']:,.0f} model TFLOP/s "
+          f"per device with perfect overlap, {b['model_tflops_no_overlap']:,.0f} with none"
+          f"{reference}")
+    print(f"    from: matrix products {b['compute_s_at_peak']:.2f} s at peak "
+          f"({b['fp8_flops']:.2e} FLOPs at {b['fp8_peak'] / 1e12:,.0f} fp8 TFLOP/s, "
+          f"{b['bf16_flops']:.2e} at {b['bf16_peak'] / 1e12:,.0f} bf16), NVLink "
+          f"{b['scale_up_s']:.2f} s, network {b['scale_out_s']:.2f} s per step")
     for a in p["assumptions"]:
         print(f"  assumes: {a}")
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
@@ -293,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the datasheet to judge against (default: the target; h100 for cpu)")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model-FLOPs utilisation")
     parser.add_argument("--json", help="write the plan to this file")
+    parser.add_argument("--reference-tflops", type=float,
+                        help="a measured model TFLOP/s per GPU to print beside the bound")
     args = parser.parse_args(argv)
     if args.target != "cpu" and args.device not in (None, args.target):
         parser.error(f"--device {args.device} with --target {args.target}: a GPU target is "
@@ -323,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    result["reference_tflops"] = args.reference_tflops
     print_plan(result)
     if args.json:
         with open(args.json, "w") as f:

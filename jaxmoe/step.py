@@ -237,7 +237,9 @@ class DeviceProgram:
 
     def reduce(self, grads):
         scale = 1.0 / (self.n_batch * self.cfg.train.accumulation_steps)
-        return jax.tree.map(lambda g, r: ddp.reduce_gradient(g, r) * scale, grads, self.plans)
+        grads = _cast_matrices(grads, self.cfg.train.grad_reduce_dtype)  # float32: no-op
+        return jax.tree.map(lambda g, r: ddp.reduce_gradient(g, r).astype(jnp.float32) * scale,
+                            grads, self.plans)
 
     def totals(self, loss, ce, aux):
         # over every axis: stages hold disjoint layers (zeros elsewhere) and the

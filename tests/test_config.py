@@ -119,13 +119,18 @@ def test_reference_family_parameter_counts(experts, total):
     assert counts.active == pytest.approx(3.2e9, rel=0.02)  # the same for every expert count
 
 
-def test_trillion_config_parameter_counts():
+@pytest.mark.parametrize("name, total, mesh, experts", [
+    ("moe_1200b_512gpu", 1.2e12, (8, 8, 8), 128),
+    ("moe_2400b_512gpu", 2.4e12, (2, 32, 8), 256),  # the capacity test: EP 32
+])
+def test_trillion_config_parameter_counts(name, total, mesh, experts):
     from pathlib import Path
-    cfg = load_config(Path(__file__).parent.parent / "configs" / "moe_1200b_512gpu.yaml")
+    cfg = load_config(Path(__file__).parent.parent / "configs" / f"{name}.yaml")
     counts = param_counts(cfg)
-    assert counts.total == pytest.approx(1.2e12, rel=0.05)
+    assert counts.total == pytest.approx(total, rel=0.05)
     assert counts.active == pytest.approx(58e9, rel=0.05)
-    assert (cfg.mesh.data, cfg.mesh.expert, cfg.mesh.stage) == (8, 8, 8)
+    assert (cfg.mesh.data, cfg.mesh.expert, cfg.mesh.stage) == mesh
+    assert cfg.moe.num_experts == experts
     assert cfg.moe.expert_precision == "mxfp8" and cfg.train.remat == "full"
     assert cfg.num_moe_layers == 62
 

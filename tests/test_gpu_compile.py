@@ -227,6 +227,25 @@ def _score_buffers(program: Program, L: int) -> list[str]:
             and any(dims[-2:] == (L, L) for _, dims in arrays(inst.type_text))]
 
 
+def test_mxfp8_quantisation_holds_no_constant_broadcasts():
+    """`quantize` selects nothing against a constant: XLA would make each such
+    constant a full-size broadcast and hoist it out of the layer scan as a loop
+    operand (6.44 GB apiece for a layer of the 1.2T config's experts). No
+    operand-less fusion (a broadcast constant) of the quantisation is as large as
+    one layer's local expert weights (zeros for accumulators are another matter);
+    the program does quantise those weights."""
+    program, cfg = _compiled("b300", moe__expert_precision="mxfp8")
+    weight = E // R * cfg.model.d_model * 2 * cfg.moe.expert_hidden
+    quantised = [i for i, _, _ in program.instructions()
+                 if arrays(i.type_text) and arrays(i.type_text)[0][0] == "f8e4m3fn"
+                 and math.prod(arrays(i.type_text)[0][1]) >= weight]
+    assert quantised
+    constants = [i.name for i, _, _ in program.instructions()
+                 if i.op == "fusion" and not i.operands and "quantize" in i.attrs
+                 and math.prod(arrays(i.type_text)[0][1]) >= weight]
+    assert constants == []
+
+
 def test_attention_is_cudnn_flash_attention():
     L = BASE["train"]["seq_len"]
     for program, _ in (_compiled("h100"), _compiled("b300", moe__expert_precision="mxfp8")):

@@ -13,9 +13,11 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
+from jaxmoe.checkpoint import abstract_target
 from jaxmoe.config import ConfigError, config_from_dict
 from jaxmoe.parallel.layout import layout_for
 from jaxmoe.parallel.pipeline import StageStack, bubble_fraction
+from jaxmoe.program_flops import program_flops
 from jaxmoe.sharding import make_mesh, per_device_shapes
 from jaxmoe.model.transformer import Transformer
 from jaxmoe.step import build_steps
@@ -121,13 +123,33 @@ def test_pipeline_remat_equals_no_remat_and_keeps_only_the_buffers():
         a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max())), remat_grads, grads)
     np.testing.assert_array_equal(remat_aux["counts"], aux["counts"])
     # and the programs differ as they should: with remat each of the M + S - 1 iterations
-    # keeps only its stages' input buffer (not the micro-batch store it carries) and a
-    # few indices and keys, without it every intermediate of its layers
+    # keeps only its stages' layer inputs (per = 2 layers each; not the micro-batch
+    # store it carries, nor the weights it sliced) and a few indices and keys,
+    # without it every intermediate of its layers
     kept = _scan_residuals(loss, state.params, "full")
-    T = M + S - 1
+    T, per = M + S - 1, 4 // S
     assert [k for k in kept if np.prod([int(n) for n in k.split(",")]) > 8 * T] == \
-        [f"{T},{S},{B // M},{L},{D}"]
+        [f"{T},{S},{per},{B // M},{L},{D}"]
     assert len(_scan_residuals(loss, state.params, "none")) > 10
+
+
+def test_pipeline_recomputes_each_layer_once():
+    """The ddp step's stage checkpoint keeps its layers' inputs, so the backward pass
+    runs each MoE layer's forward once more: the expert GEMMs and attention of the
+    pipelined layers are recomputed exactly as often as they run forward (the dense
+    layer before the pipeline too). Recomputing the stage and then each layer in it
+    again made it 2x for the expert GEMMs."""
+    cfg = config_from_dict({**BASE, "mesh": {"data": 2, "stage": 2, "expert": 2},
+                            "pipeline": {"stage_microbatches": 2},
+                            "train": {**BASE["train"], "remat": "full"},
+                            "moe": {**BASE["moe"], "dispatcher": "alltoall"}})
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    batch = jax.ShapeDtypeStruct(TOKENS.shape, jnp.int32, sharding=steps.batch_sharding)
+    program = steps.train_step.lower(abstract_target(steps), batch).compile().as_text()
+    flops = program_flops(program).by_scope
+    for scope in ("expert_gemms", "attention"):
+        assert flops[scope]["forward"] > 0
+        assert flops[scope]["recompute"] == flops[scope]["forward"], scope
 
 
 def test_pipeline_train_step_matches_and_zero1_applies(sequential):

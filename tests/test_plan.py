@@ -95,3 +95,32 @@ def test_plan_rejects_bad_arguments():
     assert result.returncode == 2 and "no -1" in result.stderr
     result = run("--mesh", "data=1,expert=8", "--target", "b300", "--device", "h100")
     assert result.returncode == 2 and "--device h100 with --target b300" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, hosts_in_exchange", [
+    ("configs/moe_1200b_512gpu.yaml", 1), ("configs/moe_2400b_512gpu.yaml", 4)])
+def test_trillion_configs_fit_a_b300_with_headroom(tmp_path, config, hosts_in_exchange):
+    """The 1.2T config and the 2.4T capacity test, compiled for 512 virtual B300s on
+    ddp + EP + PP + ZeRO-1: within 90% of the GPU's memory, each layer recomputed
+    once (the expert GEMMs' recompute equals their forward), and the bound printed
+    beside the reference's rate; an expert group over 4 hosts sends 24 of each 31
+    parts of its all-to-all between hosts, one within a host none."""
+    out = tmp_path / "plan.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxmoe.plan", "--config", config, "--target", "b300",
+         "--reference-tflops", "858", "--json", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(out.read_text())
+    assert plan["devices"] == 512 and plan["step_program"] == "per-device"
+    assert plan["kernels"]["native_mxfp8"]
+    assert plan["bytes_per_device"]["peak"] <= 0.9 * 288e9 and plan["fits"]
+    ratio = plan["expert_gemm_flops_ratio"]
+    assert ratio["recompute"] == pytest.approx(ratio["forward"], rel=1e-6)
+    a2a = plan["collective_bytes_per_step"]["all-to-all"]
+    across = plan["collective_bytes_across_hosts"].get("all-to-all", 0)
+    assert across == pytest.approx(a2a * (24 / 31 if hosts_in_exchange == 4 else 0), rel=1e-3)
+    bound = plan["bound"]
+    assert bound["model_tflops_no_overlap"] < bound["model_tflops_bound"]
+    assert "bound, not a measurement" in result.stdout and "by the reference: 858" in result.stdout

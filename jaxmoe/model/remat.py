@@ -18,6 +18,9 @@ Names, per layer:
 - `exchange_out`, `exchange_back`: the buffers an expert-parallel dispatcher
   receives: the routed rows at the expert ranks, and the expert outputs back at
   the token ranks (`allgather`: the gathered tokens, the reduce-scattered outputs).
+- `layer_input`: each layer's input in a scan of checkpointed layers; what an
+  enclosing checkpoint (a pipeline stage) keeps, so that the backward pass runs
+  each layer's forward once more, not twice (`keeping_layer_inputs`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ EXPERT_GATE_UP = "expert_gate_up"
 EXPERT_DOWN = "expert_down"
 EXCHANGE_OUT = "exchange_out"
 EXCHANGE_BACK = "exchange_back"
+LAYER_INPUT = "layer_input"
 
 _ATTENTION = (ATTENTION_QKV, ATTENTION_OUT)
 _EXPERT_GEMMS = (EXPERT_GATE_UP, EXPERT_DOWN)
@@ -59,3 +63,11 @@ REMAT_POLICIES = {
         names_which_can_be_saved=(), names_which_can_be_offloaded=_EXPERT_GEMMS + _ATTENTION,
         offload_src="device", offload_dst="pinned_host"),
 }
+
+
+def keeping_layer_inputs(policy):
+    """The policy of a checkpoint around a scan of layers checkpointed with `policy`:
+    it keeps each layer's input and what `policy` keeps, so the backward pass
+    recomputes each layer from its input alone, not the scan to reach it."""
+    inputs = _policies.save_only_these_names(LAYER_INPUT)
+    return inputs if policy is None else _policies.save_from_both_policies(policy, inputs)

@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import Config
 from jaxmoe.model.attention import Attention
 from jaxmoe.model.layers import MLP, RMSNorm, param
 from jaxmoe.model.moe import MoE
-from jaxmoe.model.remat import REMAT_POLICIES
+from jaxmoe.model.remat import LAYER_INPUT, REMAT_POLICIES
 
 
 def init_stds(cfg: Config) -> tuple[float, float]:
@@ -44,6 +45,7 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(m.d_model, m.mlp_hidden, std, out_std, rngs)
         self.use_moe = use_moe
+        self.mlp_chunk = cfg.train.dense_mlp_chunk
 
     def __call__(self, x_BxLxD, positions_BxL, layout=None, jitter_key=None):
         x_BxLxD = _constrain(x_BxLxD, layout)
@@ -60,8 +62,20 @@ class Block(nnx.Module):
             y, aux = self.moe(h, layout, jitter_key)
         else:
             with jax.named_scope("dense_mlp"):
-                y, aux = self.mlp(h), {}
+                y, aux = _in_chunks(self.mlp, h, self.mlp_chunk), {}
         return x_BxLxD + y, aux
+
+
+def _in_chunks(per_position, x_BxLxD, chunk: int):
+    """per_position(x) for a function of each position alone, `chunk` positions at a
+    time, each chunk recomputed in the backward pass (at once when chunk is 0 or
+    does not cut L, as in decoding)."""
+    B, L, D = x_BxLxD.shape
+    if not chunk or chunk >= L or L % chunk:
+        return per_position(x_BxLxD)
+    chunks_NxBxLcxD = x_BxLxD.reshape(B, L // chunk, chunk, D).swapaxes(0, 1)
+    y = jax.lax.map(jax.checkpoint(per_position, prevent_cse=False), chunks_NxBxLcxD)
+    return y.swapaxes(0, 1).reshape(B, L, y.shape[-1])
 
 
 def _constrain(x, layout):
@@ -138,7 +152,8 @@ def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str
         return jnp.where(active, y, x), jax.tree.map(lambda a: jnp.where(active, a, 0), aux)
 
     if remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        layer = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        body = lambda x, xs: layer(checkpoint_name(x, LAYER_INPUT), xs)  # noqa: E731
     return jax.lax.scan(body, x_BxLxD, (state, keys, active_N))
 
 

@@ -45,14 +45,16 @@ _INF = 0x7F800000  # float32 bits of Inf; magnitudes at or above it are Inf or N
 
 
 def _blocks(x: jax.Array, axis: int) -> jax.Array:
-    x = jnp.moveaxis(x, axis, -1)
-    if x.shape[-1] % BLOCK:
-        raise ValueError(f"MX quantisation: axis of size {x.shape[-1]} is not a multiple of {BLOCK}")
-    return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    """x with `axis` split into (blocks, 32) where it stands (no transpose)."""
+    axis = axis % x.ndim
+    if x.shape[axis] % BLOCK:
+        raise ValueError(f"MX quantisation: axis of size {x.shape[axis]} is not a multiple of {BLOCK}")
+    return x.reshape(*x.shape[:axis], x.shape[axis] // BLOCK, BLOCK, *x.shape[axis + 1:])
 
 
 def _unblock(xb: jax.Array, axis: int) -> jax.Array:
-    return jnp.moveaxis(xb.reshape(*xb.shape[:-2], -1), -1, axis)
+    axis = axis % (xb.ndim - 1)
+    return xb.reshape(*xb.shape[:axis], -1, *xb.shape[axis + 2:])
 
 
 def _fields(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -60,7 +62,7 @@ def _fields(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     biased, frac = (bits & _MAG) >> 23, bits & 0x7FFFFF
     m = jnp.where(biased > 0, frac | 0x800000, frac)
-    k = jnp.where(biased > 0, biased - 150, -149)
+    k = jnp.maximum(biased, 1) - 150
     return bits & ~_MAG, m, k
 
 
@@ -72,8 +74,10 @@ def _compose(sign: jax.Array, m: jax.Array, k: jax.Array) -> jax.Array:
     normal = ((e + 127) << 23) | ((m << (24 - width)) & 0x7FFFFF)
     up = k + 149  # subnormal: the integer m * 2^(k + 149) in units of 2^-149
     subnormal = jnp.where(up >= 0, m << jnp.clip(up, 0, 31), m >> jnp.clip(-up, 0, 31))
-    bits = jnp.where(e >= -126, normal, subnormal)
-    bits = jnp.where(e > 127, _INF, jnp.where(m == 0, 0, bits))
+    # arithmetic, not selects against constants (see `quantize`)
+    bits = jnp.where(e >= -126, normal, subnormal) * (m != 0)
+    over = (e > 127).astype(jnp.int32)
+    bits = bits * (1 - over) + _INF * over
     return jax.lax.bitcast_convert_type(bits | sign, jnp.float32)
 
 
@@ -94,17 +98,21 @@ def quantize(x: jax.Array, axis: int = -1,
     """x -> (elements e4m3fn, same shape as x; scales e8m0fnu, axis divided by 32)."""
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"MX scale rule {scale_rule!r} is not one of {list(SCALE_RULES)}")
-    xb = _blocks(x.astype(jnp.float32), axis)  # [..., nblocks, 32]
+    xb = _blocks(x.astype(jnp.float32), axis)  # axis -> (nblocks, 32)
+    within = axis % x.ndim + 1  # the 32 values of a block
     # magnitudes order as their bit patterns, NaN and Inf above every finite value
-    amax_bits = jnp.max(jax.lax.bitcast_convert_type(xb, jnp.int32) & _MAG, axis=-1)
+    amax_bits = jnp.max(jax.lax.bitcast_convert_type(xb, jnp.int32) & _MAG, axis=within)
     finite = amax_bits < _INF
     e = _exponents(jnp.where(finite, amax_bits, 0), scale_rule)
     sign, m, k = _fields(xb)
-    scaled = jnp.clip(_compose(sign, m, k - e[..., None]), -E4M3_MAX, E4M3_MAX)
-    elements = jnp.where(finite[..., None], scaled, jnp.nan).astype(jnp.float8_e4m3fn)
+    scaled = jnp.clip(_compose(sign, m, k - jnp.expand_dims(e, within)), -E4M3_MAX, E4M3_MAX)
+    # selects against a constant would be hoisted out of the layer loops as
+    # full-size broadcasts: multiply by 1 or NaN instead
+    nan_or_one = jnp.expand_dims(jnp.where(finite, 1.0, jnp.nan), within)
+    elements = (scaled * nan_or_one).astype(jnp.float8_e4m3fn)
     # e8m0 is a bare biased exponent, 0xFF = NaN
     bits = jnp.where(finite, e + 127, 255).astype(jnp.uint8)
-    scales = jnp.moveaxis(jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu), -1, axis)
+    scales = jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu)
     return _unblock(elements, axis), scales
 
 
@@ -115,7 +123,7 @@ def dequantize(elements: jax.Array, scales: jax.Array, axis: int = -1,
     max is a float32 (those above, only reached by rounding at its top, become Inf)."""
     eb = _blocks(elements.astype(jnp.float32), axis)
     bits = jax.lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
-    s = jnp.moveaxis(bits, axis, -1)[..., None]
+    s = jnp.expand_dims(bits, axis % elements.ndim + 1)
     sign, m, k = _fields(eb)
     out = jnp.where(jnp.isnan(eb) | (s == 255), jnp.nan, _compose(sign, m, k + s - 127))
     return _unblock(out, axis).astype(dtype)

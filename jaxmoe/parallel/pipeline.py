@@ -14,9 +14,9 @@ Stage 0 reads micro-batch t mod M from a circular store that the last stage
 writes back into, so M >= S micro-batches go round V times in V M + S - 1
 iterations: the bubble shrinks from (S - 1) / (M + S - 1) to (S - 1) / (V M + S - 1).
 Autodiff of the loop gives the backward pass. With remat on, each iteration keeps
-only its stages' input buffer (not the weights it sliced for its round, nor the
-store, whose reads and writes are linear), and recomputing an iteration
-rematerialises its layers one at a time again.
+only its stages' layer inputs (not the weights it sliced for its round, nor the
+store, whose reads and writes are linear), and the backward pass recomputes each
+layer once from its input.
 
 Router statistics of iterations where a stage holds no real micro-batch, and of
 padding slots, are masked out, so every MoE layer's losses and loads are those of
@@ -42,7 +42,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.model.moe import MEAN_STATS
-from jaxmoe.model.remat import REMAT_POLICIES
+from jaxmoe.model.remat import REMAT_POLICIES, keeping_layer_inputs
 from jaxmoe.model.transformer import scan_layers
 from jaxmoe.sharding import BATCH_AXES
 
@@ -93,11 +93,14 @@ def _stage_fn(graphdef, positions_bxL, layout, remat: str, padded: bool):
         return scan_layers(graphdef, jax.tree.map(pick, chunks_Vs), x_bxLxD, positions_bxL,
                            layout, key, remat, active_N=pick(real_VsxLp) if padded else None)
 
-    # Only the stages' computation is recomputed: checkpointing the whole iteration
-    # would keep the carried store, [M, b/M, L, D], once per iteration; without remat
-    # every iteration would keep its chunk's sliced weights.
+    # Only the stages' computation is checkpointed: checkpointing the whole iteration
+    # would keep the carried store, [M, b/M, L, D], once per iteration; without this
+    # checkpoint every iteration would keep its chunk's sliced weights. It keeps
+    # each layer's input, so the backward pass recomputes each layer once (from
+    # its input), not the stage and then each layer again.
     if remat != "none":
-        stage_fn = jax.checkpoint(stage_fn, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        stage_fn = jax.checkpoint(stage_fn, policy=keeping_layer_inputs(REMAT_POLICIES[remat]),
+                                  prevent_cse=False)
     return stage_fn
 
 
