@@ -199,13 +199,12 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     tokens = t.batch_size * t.seq_len
     model_flops = flops_per_token(cfg) * tokens / n
     datasheet = TARGETS[device]
-    compute_s = model_flops / (datasheet.peak("bf16") * mfu)
-    comm_s = ((sum(moved.values()) - sum(across.values())) / datasheet.scale_up
-              + sum(across.values()) / datasheet.scale_out)
     counts = param_counts(cfg)
     kernels = step_kernels(mesh, cfg)
     bound = throughput_bound(cfg, model_flops, flops.by_scope, moved, across, datasheet,
                              kernels["native_mxfp8"])
+    compute_s = model_flops / (datasheet.peak("bf16") * mfu)
+    comm_s = bound["scale_up_s"] + bound["scale_out_s"]  # the links one after the other
     return {
         "config": config_path, "target": target, "mesh": dict(mesh.shape), "devices": n,
         "device": device, "parallelism": cfg.mesh.parallelism, "dispatcher": cfg.moe.dispatcher,
@@ -313,9 +312,10 @@ def print_plan(p: dict) -> None:
     print(f"  bound, not a measurement: at most {b['model_tflops_bound']:,.0f} model TFLOP/s "
           f"per device with perfect overlap, {b['model_tflops_no_overlap']:,.0f} with none"
           f"{reference}")
-    print(f"    from: matrix products {b['compute_s_at_peak']:.2f} s at peak "
-          f"({b['fp8_flops']:.2e} FLOPs at {b['fp8_peak'] / 1e12:,.0f} fp8 TFLOP/s, "
-          f"{b['bf16_flops']:.2e} at {b['bf16_peak'] / 1e12:,.0f} bf16), NVLink "
+    fp8 = (f"{b['fp8_flops']:.2e} FLOPs at {b['fp8_peak'] / 1e12:,.0f} fp8 TFLOP/s, "
+           if b["fp8_flops"] else "")
+    print(f"    from: matrix products {b['compute_s_at_peak']:.2f} s at peak ({fp8}"
+          f"{b['bf16_flops']:.2e} at {b['bf16_peak'] / 1e12:,.0f} bf16 TFLOP/s), NVLink "
           f"{b['scale_up_s']:.2f} s, network {b['scale_out_s']:.2f} s per step")
     for a in p["assumptions"]:
         print(f"  assumes: {a}")

@@ -129,7 +129,10 @@ def _dense_grads(chunk: int, params=None):
         logits, _ = nnx.merge(graphdef, p, rest)(jnp.asarray(TOKENS[:, :-1]))
         return optax.softmax_cross_entropy_with_integer_labels(logits, TOKENS[:, 1:]).mean()
 
-    return params, jax.device_get(jax.jit(jax.grad(loss))(params))
+    # the loops over the 16 / chunk chunks in the gradient's program
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+    chunk_scans = jaxpr.count(f"length={16 // chunk}") if chunk else 0
+    return params, jax.device_get(jax.jit(jax.grad(loss))(params)), chunk_scans
 
 
 def test_dense_mlp_in_chunks_equals_at_once():
@@ -138,8 +141,9 @@ def test_dense_mlp_in_chunks_equals_at_once():
     sums over 256 tokens are only regrouped (gamma_256 at 2^-24, 2^-16 relative,
     bounds them); a chunk's tokens dropped or counted twice move the dense MLP's
     weight gradients by ~1/4."""
-    params, want = _dense_grads(0)
-    _, got = _dense_grads(4, params)
+    params, want, _ = _dense_grads(0)
+    _, got, chunk_scans = _dense_grads(4, params)
+    assert chunk_scans >= 2  # the chunks' forward and backward loops: chunking is on
     tol = 2.0 ** -16
 
     def close(g, w, scale=1.0):
