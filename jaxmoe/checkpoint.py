@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.config import SHAPE_KEYS, Config, config_from_dict, current_value
-from jaxmoe.model.transformer import map_moe_stack
+from jaxmoe.model.transformer import in_moe_stack, map_moe_stack
 from jaxmoe.parallel.pipeline import StageStack
 from jaxmoe.step import Steps, TrainState, abstract_model
 
@@ -110,8 +110,7 @@ def _layered(target, layer_dims: tuple[int, ...]):
     """Bool tree: which leaves of `target` stack the MoE layers on their leading
     `layer_dims` (not, e.g., a factored optimizer statistic or a step count)."""
     def each(path, a):
-        moe = any(getattr(k, "key", None) == "moe_layers" for k in path)
-        return moe and tuple(a.shape[:len(layer_dims)]) == layer_dims
+        return in_moe_stack(path) and tuple(a.shape[:len(layer_dims)]) == layer_dims
     return jax.tree_util.tree_map_with_path(each, target)
 
 

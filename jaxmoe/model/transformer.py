@@ -82,12 +82,16 @@ def _constrain(x, layout):
     return x if layout is None else layout.constrain_batch(x)
 
 
+def in_moe_stack(path) -> bool:
+    """Whether a tree path runs through the MoE stack (a `moe_layers` key)."""
+    return any(getattr(k, "key", None) == "moe_layers" for k in path)
+
+
 def map_moe_stack(fn, tree):
     """`tree` (params, buffers, optimizer state or a whole TrainState: anything whose
     MoE stack sits under a `moe_layers` key) with `fn` applied to each MoE leaf."""
-    def each(path, a):
-        return fn(a) if any(getattr(k, "key", None) == "moe_layers" for k in path) else a
-    return jax.tree_util.tree_map_with_path(each, tree)
+    return jax.tree_util.tree_map_with_path(lambda path, a: fn(a) if in_moe_stack(path) else a,
+                                            tree)
 
 
 def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs, held=None) -> Block:

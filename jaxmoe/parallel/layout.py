@@ -33,7 +33,7 @@ from jaxmoe import sharding
 from jaxmoe.config import Config, ConfigError, MoEConfig
 from jaxmoe.kernels import Kernels
 from jaxmoe.model.dispatch import LOCAL_DISPATCHERS, Dispatched, get_dispatcher
-from jaxmoe.model.transformer import map_moe_stack, scan_layers
+from jaxmoe.model.transformer import in_moe_stack, map_moe_stack, scan_layers
 from jaxmoe.parallel import ep_dispatch
 from jaxmoe.parallel.pipeline import StageStack, device_pipeline, pipeline
 from jaxmoe.sharding import BATCH_AXES
@@ -97,7 +97,7 @@ class GlobalLayout:
             return specs
 
         def stage_view(path, var):
-            if not any(getattr(k, "key", None) == "moe_layers" for k in path):
+            if not in_moe_stack(path):
                 return var
             layers, *rest = var.get_value()
             return var.replace(P(None, layers, None, *rest))
