@@ -163,6 +163,12 @@ def locate(path: str | Path) -> tuple[Path, int | None]:
     return directory, None
 
 
+def run_dir_of(path: str | Path) -> Path:
+    """The run directory that holds a checkpoint (`locate`'s path forms)."""
+    directory, _ = locate(path)
+    return directory.parent if directory.name == "checkpoints" else directory
+
+
 def complete_steps(directory: str | Path) -> list[int]:
     """Steps with a committed checkpoint (orbax's temporary directories excluded)."""
     directory = Path(directory)

@@ -11,8 +11,9 @@ config and each tensor's axis names.
 loads (`AutoModelForCausalLM.from_pretrained(OUT)`): config.json and
 generation_config.json for the family that has the model's architecture (see
 `jaxmoe.hf`), sharded safetensors with their index (`--dtype bfloat16` or
-float32), and the run's tokenizer. It runs on the host's CPU, converting one
-layer at a time.
+float32), and the run's tokenizer (`--tokenizer` names another): for a byte-level
+run, a tokenizer.json whose ids are the bytes, so `AutoTokenizer` gives the ids the
+model trained on. It runs on the host's CPU, converting one layer at a time.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from flax import nnx
 from jaxmoe import checkpoint, hf
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config
-from jaxmoe.tokenizer import RUN_SUBDIR, load_tokenizer
+from jaxmoe.tokenizer import TokenizerError, check_vocab, load_tokenizer, run_tokenizer
 
 _RENAME = {"embed": "embedding", "head": "lm_head", "final_norm.scale": "final_norm"}
 
@@ -71,14 +72,17 @@ def export(checkpoint_path: str | Path, out: str | Path) -> dict[str, tuple]:
 
 
 def export_hf(checkpoint_path: str | Path, out: str | Path, dtype: str = "float32",
-              shard_bytes: int = 2 << 30) -> dict:
-    """A Hugging Face checkpoint directory of a training checkpoint; returns its config."""
+              shard_bytes: int = 2 << 30, tokenizer: str | None = None) -> dict:
+    """A Hugging Face checkpoint directory of a training checkpoint, with the run's
+    tokenizer (or `tokenizer`: a tokenizer.json, its directory, or "bytes"); returns
+    its config."""
     directory, step = checkpoint.locate(checkpoint_path)
-    step, _ = checkpoint.read_meta(directory, step, weights_only=True)
+    step, meta = checkpoint.read_meta(directory, step, weights_only=True)
+    saved = checkpoint.saved_config(meta)
+    tokenizer = (load_tokenizer(tokenizer) if tokenizer
+                 else run_tokenizer(checkpoint.run_dir_of(checkpoint_path), saved))
+    check_vocab(tokenizer, saved.model.vocab_size)
     weights, cfg = checkpoint.restore_weights(directory, step)
-    run_dir = directory.parent if directory.name == "checkpoints" else directory
-    saved = run_dir / RUN_SUBDIR
-    tokenizer = load_tokenizer(saved) if saved.is_dir() else None
     params = jax.tree.map(np.asarray, weights.to_pure_dict())  # host arrays, not copies
     del weights
     return hf.save_hf(params, cfg, out, dtype=dtype, tokenizer=tokenizer, shard_bytes=shard_bytes)
@@ -94,16 +98,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=["jaxmoe", "hf"], default="jaxmoe")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="hf: the weights' dtype")
+    parser.add_argument("--tokenizer", default=None,
+                        help="hf: the tokenizer to write (a tokenizer.json, its directory, or "
+                             "'bytes'); default: the run's")
     args = parser.parse_args(argv)
     absl_logging.set_verbosity(absl_logging.ERROR)
     jax.config.update("jax_platforms", "cpu")  # host memory holds the weights, not a device's
     try:
         if args.format == "hf":
-            config = export_hf(args.checkpoint, args.out, args.dtype)
+            config = export_hf(args.checkpoint, args.out, args.dtype, tokenizer=args.tokenizer)
             print(f"wrote a {config['architectures'][0]} checkpoint ({args.dtype}) to {args.out}")
             return 0
         tensors = export(args.checkpoint, args.out)
-    except (CheckpointError, hf.HFError) as e:
+    except (CheckpointError, hf.HFError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     total = sum(v.size for v, _ in tensors.values())

@@ -31,7 +31,7 @@ from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config
 from jaxmoe.model import kv_cache
 from jaxmoe.sampling import sample
-from jaxmoe.tokenizer import BYTE_TOKENIZER, RUN_SUBDIR, Tokenizer, TokenizerError, load_tokenizer
+from jaxmoe.tokenizer import Tokenizer, TokenizerError, load_tokenizer, run_tokenizer
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_new_tokens"))
@@ -93,29 +93,18 @@ def generate(params: api.Params, prompt_BxP: jax.Array, config: Config, *, key: 
     return tokens_BxN
 
 
-def encode_prompts(tokenizer: Tokenizer, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def encode_prompts(tokenizer: Tokenizer, prompts: list[str],
+                   max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(int32 [B, P] left-padded prompts, int32 [B] first real slot): each prompt's ids
-    after an end-of-document token, as a document starts in training."""
-    encoded = [[tokenizer.eos_id] + tokenizer.encode(p) for p in prompts]
+    after an end-of-document token, as a document starts in training (the last
+    max_tokens of them, when given)."""
+    encoded = [([tokenizer.eos_id] + tokenizer.encode(p))[-(max_tokens or 0):] for p in prompts]
     P = max(len(e) for e in encoded)
     tokens_BxP = np.full((len(encoded), P), tokenizer.eos_id, np.int32)
     first_B = np.array([P - len(e) for e in encoded], np.int32)
     for row, e in enumerate(encoded):
         tokens_BxP[row, P - len(e):] = e
     return tokens_BxP, first_B
-
-
-def run_tokenizer(checkpoint_path: str, config: Config) -> Tokenizer:
-    """The tokenizer saved with the run that holds this checkpoint. A run on token shards
-    with data.tokenizer: bytes (raw shards train without one) has none for its ids."""
-    directory, _ = checkpoint.locate(checkpoint_path)
-    run_dir = directory.parent if directory.name == "checkpoints" else directory
-    saved = run_dir / RUN_SUBDIR
-    tokenizer = load_tokenizer(saved) if saved.is_dir() else BYTE_TOKENIZER
-    if tokenizer.is_bytes and config.data.source == "tokens" and config.model.vocab_size > 256:
-        raise TokenizerError(f"{run_dir} trained on token ids with data.tokenizer: bytes, so it "
-                             f"holds no tokenizer for them: pass --tokenizer with its corpus's")
-    return tokenizer
 
 
 def _length(new_N: np.ndarray, eos: int) -> int:
@@ -146,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--prompt: empty; give some text to continue")
         params, config = api.load_params(args.checkpoint)
         tokenizer = (load_tokenizer(args.tokenizer) if args.tokenizer
-                     else run_tokenizer(args.checkpoint, config))
+                     else run_tokenizer(checkpoint.run_dir_of(args.checkpoint), config))
         if tokenizer.vocab_size > config.model.vocab_size:
             raise TokenizerError(f"the tokenizer has {tokenizer.vocab_size} ids, the model "
                                  f"{config.model.vocab_size}: not the tokenizer it trained with")

@@ -422,8 +422,8 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, dtype: str = "float32
     (out / "config.json").write_text(json.dumps(config, indent=1))
     generation = {"_from_model_config": True, "eos_token_id": eos, "bos_token_id": bos}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=1))
-    if tokenizer is not None and not tokenizer.is_bytes:
-        tokenizer.save(out)
+    if tokenizer is not None:
+        tokenizer.save_hf(out)
     return config
 
 

@@ -62,6 +62,12 @@ class Tokenizer:
             return [self.bos_id] + ids
         return ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of the text alone: no BOS, whatever the tokenizer's config says."""
+        if self._hf is None:
+            return list(text.encode("utf-8"))
+        return self._hf.encode(text, add_special_tokens=False).ids
+
     def encode_document(self, text: str) -> list[int]:
         """Ids of one document followed by exactly one EOS."""
         return self.encode_documents([text])[0]
@@ -85,6 +91,14 @@ class Tokenizer:
             return bytes(i for i in ids if i < BYTE_VOCAB).decode("utf-8", errors="replace")
         return self._hf.decode(ids, skip_special_tokens=True)
 
+    def text_bytes(self, ids) -> int:
+        """UTF-8 bytes of the text the ids stand for, across document ends: a byte-level
+        id is a byte (the separator too), a special token of a tokenizer none."""
+        ids = [int(i) for i in ids]
+        if self._hf is None:
+            return sum(i < BYTE_VOCAB for i in ids)
+        return len(self._hf.decode(ids, skip_special_tokens=True).encode("utf-8"))
+
     def describe(self) -> dict:
         """What a corpus index or a run records about its tokenizer."""
         return {"spec": self.spec, "sha256": self.sha256, "vocab_size": self.vocab_size,
@@ -101,7 +115,61 @@ class Tokenizer:
             shutil.copyfile(f, directory / f.name)
 
 
+    def save_hf(self, directory: str | Path) -> None:
+        """tokenizer.json and tokenizer_config.json for `transformers`' AutoTokenizer,
+        mapping text to the ids this tokenizer gives: a byte-level one as a BPE model
+        with no merges whose ids are the bytes (every byte but 0x00 written as a
+        byte-fallback token `<0xNN>`, 0x00 as itself, the special end-of-document
+        token)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                  "clean_up_tokenization_spaces": False, "eos_token": self._token(self.eos_id)}
+        if self.bos_id is not None:
+            config |= {"bos_token": self._token(self.bos_id), "add_bos_token": self.add_bos}
+        if self.is_bytes:
+            _byte_level_hf().save(str(directory / TOKENIZER_FILE))
+        else:
+            for f in self._files:
+                shutil.copyfile(f, directory / f.name)
+            if self.add_bos and self.bos_id is not None and \
+                    self._hf.encode("a").ids[:1] != [self.bos_id]:
+                # the config asks for a BOS its tokenizer.json does not add: add it there,
+                # where every reader of the file finds it
+                self._with_bos_processor().save(str(directory / TOKENIZER_FILE))
+            if (directory / TOKENIZER_CONFIG).is_file():  # the tokenizer's own says it best
+                return
+        (directory / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=1))
+
+    def _with_bos_processor(self):
+        from tokenizers import Tokenizer as HFTokenizer, processors
+
+        bos = self._token(self.bos_id)
+        tok = HFTokenizer.from_str(self._hf.to_str())
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)])
+        return tok
+
+    def _token(self, i: int) -> str:
+        return chr(i) if self.is_bytes else self._hf.id_to_token(i)
+
+
 BYTE_TOKENIZER = Tokenizer(BYTES, BYTE_VOCAB, BYTE_EOS, None, BYTES)
+
+
+def _byte_level_hf():
+    """A `tokenizers.Tokenizer` whose ids are the UTF-8 bytes of the text: byte 0x00 is a
+    token of its own, the special end-of-document token; every other byte falls back to
+    `<0xNN>` (no normaliser, no pre-tokenizer, no merges, so nothing regroups them)."""
+    from tokenizers import AddedToken, decoders, models
+    from tokenizers import Tokenizer as HFTokenizer
+
+    eos = chr(BYTE_EOS)
+    vocab = {eos: BYTE_EOS, **{f"<0x{b:02X}>": b for b in range(BYTE_VOCAB) if b != BYTE_EOS}}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(eos, special=True, normalized=False)])
+    return tok
 
 
 def _token_content(entry) -> str | None:
@@ -160,6 +228,22 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
                      max(hf.get_vocab(with_added_tokens=True).values()) + 1)
     return Tokenizer(str(spec), vocab_size, eos_id, bos_id, digest,
                      bool(special.get("add_bos_token")), hf, files)
+
+
+def run_tokenizer(run_dir: str | Path, config) -> Tokenizer:
+    """The tokenizer a run trained with (its copy in RUN_DIR/tokenizer/); TokenizerError
+    when the run holds none for its ids: a run on token shards with data.tokenizer:
+    bytes (raw shards train without one), or a run directory without its copy."""
+    saved = Path(run_dir) / RUN_SUBDIR
+    data = config.data
+    if not saved.is_dir() and data.tokenizer != BYTES:
+        raise TokenizerError(f"{run_dir} trained with data.tokenizer {data.tokenizer!r}, but "
+                             f"{saved} (the run's copy of it) is missing: pass --tokenizer")
+    tokenizer = load_tokenizer(saved) if saved.is_dir() else BYTE_TOKENIZER
+    if tokenizer.is_bytes and data.source == "tokens" and config.model.vocab_size > BYTE_VOCAB:
+        raise TokenizerError(f"{run_dir} trained on token ids with data.tokenizer: bytes, so it "
+                             f"holds no tokenizer for them: pass --tokenizer with its corpus's")
+    return tokenizer
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:

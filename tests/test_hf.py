@@ -158,7 +158,11 @@ def test_a_trained_model_exports_to_transformers_with_the_same_text(family, tmp_
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(model).__name__ == hf.FAMILIES[family]
     params, saved = jaxmoe.load_params(tmp_path / "run")
-    tokens = np.frombuffer(b"\x00def f(x):\n    return", np.uint8).astype(np.int64)[None]
+    # raw text through the export's own tokenizer: the bytes the model trained on
+    text = "\x00def f(x):\n    return"
+    tokens = np.asarray(transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")(text)
+                        ["input_ids"], np.int64)[None]
+    np.testing.assert_array_equal(tokens[0], list(text.encode()))
     vocab = saved.model.vocab_size
     want = _logits(model, tokens)
     got, _ = jaxmoe.apply(params, tokens, saved)  # load_params' config is dropless

@@ -71,3 +71,33 @@ def test_bos_when_the_config_asks_for_it(tmp_path):
     assert t.encode_batch(["the dog"]) == [ids[:-1]] and t.decode(ids) == "the dog"
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "bos_token": "<unk>"}))
     assert load_tokenizer(d).encode("the dog")[0] != t.bos_id  # named, not added
+
+
+TEXTS = ["def f(x):\n    return x  # ok", "héllo wörld ✓ 🙂", "a\x00b", "  two  spaces\t\r\n",
+         "<|endoftext|> <0x41> Ā", "x" * 3000]
+
+
+def test_hf_files_give_the_same_ids_through_autotokenizer(tmp_path, tok_dir):
+    """What an export writes: AutoTokenizer maps text to the ids jaxmoe trained on
+    (bytes: each UTF-8 byte; a tokenizer.json: its own), names the same EOS and BOS,
+    and decodes back; a tokenizer without a config gets one naming its EOS."""
+    transformers = pytest.importorskip("transformers")
+    bare = make_tokenizer(tmp_path / "bare", with_config=False)
+    bos = make_tokenizer(tmp_path / "bos", with_config=False)
+    (bos / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": EOS, "bos_token": "<unk>", "add_bos_token": True}))
+    for ours in (BYTE_TOKENIZER, load_tokenizer(tok_dir), load_tokenizer(bare),
+                 load_tokenizer(bos)):
+        out = tmp_path / "hf" / ours.sha256[:8]
+        ours.save_hf(out)
+        theirs = transformers.AutoTokenizer.from_pretrained(out)
+        assert theirs.eos_token_id == ours.eos_id and theirs.bos_token_id == ours.bos_id
+        for text in TEXTS + sentences(3):
+            ids = theirs(text)["input_ids"]
+            assert ids == ours.encode(text), (ours.spec, text)
+            if ours.is_bytes:
+                assert ids == list(text.encode()) and theirs.decode(ids) == text
+        # the end of a document is one id, and decoding drops it as the run's decode does
+        assert theirs.decode(ours.encode_document("the dog"), skip_special_tokens=True) == "the dog"
+    # a GPT-2-style byte-level vocabulary would not do: it writes byte 0x00 as "Ā"
+    assert BYTE_TOKENIZER.encode("Ā") == [0xC4, 0x80] and BYTE_TOKENIZER.encode("\x00") == [0]
