@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxmoe import checkpoint
-from jaxmoe.config import Config, config_from_dict
+from jaxmoe.config import Config, config_from_dict, dropless as make_dropless
 from jaxmoe.model.dispatch import LOCAL_DISPATCHERS
 from jaxmoe.model.moe import MoE
 from jaxmoe.model.transformer import Transformer, init_stds
@@ -166,9 +166,8 @@ def local_config(config: Config, dropless: bool = True) -> Config:
                  "pipeline.virtual_stages=1", "pipeline.stage_microbatches=1"]
     if config.num_moe_layers and (dropless or config.moe.dispatcher not in LOCAL_DISPATCHERS):
         overrides.append("moe.dispatcher=grouped")
-    if config.num_moe_layers and dropless:
-        overrides.append(f"moe.capacity_factor={config.moe.num_experts / config.moe.top_k}")
-    return config_from_dict(config.to_dict(), overrides)
+    local = config_from_dict(config.to_dict(), overrides)
+    return make_dropless(local) if dropless else local
 
 
 def load_params(path: str | Path, step: int | None = None,

@@ -149,6 +149,19 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class EvalsConfig:
+    """Downstream evaluations inside training (lm-eval task definitions, jaxmoe.downstream)."""
+    # task names: jaxmoe's own (stdlib_word_order, stdlib_next_line), lm-eval's, or YAMLs
+    # under include_path; scored by log-likelihood (generation runs on checkpoints,
+    # with python -m jaxmoe.eval)
+    tasks: tuple[str, ...] = ()
+    every: int = 0  # steps between evaluations; 0: with the held-out loss (train.eval_every)
+    limit: int = 0  # examples per task; 0: all of them
+    num_fewshot: int | None = None  # None: each task's own setting (0 if it has none)
+    include_path: tuple[str, ...] = ()  # directories of task YAMLs
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = 200
     batch_size: int = 16  # global batch, in sequences
@@ -178,7 +191,8 @@ class TrainConfig:
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0
     eval_every: int = 100  # 0: only at the end
-    eval_batches: int = 8
+    eval_batches: int = 8  # held-out batches (of each source, with a mixture)
+    evals: EvalsConfig = field(default_factory=EvalsConfig)
     max_bad_steps: int = 5  # stop after this many consecutive non-finite steps (each is skipped)
     run_dir: str = "runs/default"
 
@@ -246,8 +260,11 @@ def check_expert_split(num_experts: int, expert: int) -> None:
 def validate(c: Config) -> None:
     """Cross-field checks; each names the key at fault."""
     m, moe, t, o = c.model, c.moe, c.train, c.optimizer
-    for sec_name in ("model", "moe", "train", "optimizer", "checkpoint", "logging", "pipeline"):
-        sec = getattr(c, sec_name)
+    for sec_name in ("model", "moe", "train", "train.evals", "optimizer", "checkpoint", "logging",
+                     "pipeline"):
+        sec = c
+        for part in sec_name.split("."):
+            sec = getattr(sec, part)
         for f in dataclasses.fields(sec):
             v = getattr(sec, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
@@ -353,6 +370,8 @@ def validate(c: Config) -> None:
         _require(len(span) == 2 and 1 <= span[0] <= span[1] <= t.steps, "logging.profile_steps",
                  f"expected [start, stop] with 1 <= start <= stop <= train.steps={t.steps}, "
                  f"got {list(span)}")
+    _require(all(name.strip() for name in t.evals.tasks), "train.evals.tasks", "empty task name")
+    _require(all(p.strip() for p in t.evals.include_path), "train.evals.include_path", "empty path")
     _require(c.checkpoint.keep > 0, "checkpoint.keep", "must keep at least one checkpoint")
     _require(t.max_bad_steps > 0, "train.max_bad_steps", "must be positive")
 
@@ -500,6 +519,14 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Confi
 
 def override_config(cfg: Config, overrides: typing.Sequence[str]) -> Config:
     return config_from_dict(cfg.to_dict(), overrides)
+
+
+def dropless(cfg: Config) -> Config:
+    """`cfg` with MoE buffers that hold every routed copy: capacity factor E / K, so a
+    token's output never depends on the other tokens of its batch."""
+    if not cfg.num_moe_layers:
+        return cfg
+    return override_config(cfg, [f"moe.capacity_factor={cfg.moe.num_experts / cfg.moe.top_k}"])
 
 
 # ---------------------------------------------------------------- derived sizes

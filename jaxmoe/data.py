@@ -61,8 +61,13 @@ class Source:
 class Corpus:
     name: str
     train: tuple[Source, ...]
-    heldout: tuple[np.ndarray, ...]
+    heldout_sources: tuple[Source, ...]  # each training source's held-out shards, in order
     tokenizer: dict | None = None  # what the shards were made with, when recorded
+
+    @property
+    def heldout(self) -> tuple[np.ndarray, ...]:
+        """Every source's held-out shards, one tuple."""
+        return tuple(shard for source in self.heldout_sources for shard in source.shards)
 
     def check_tokenizer(self, described: dict) -> None:
         """A corpus prepared with one tokenizer must not be read with another."""
@@ -90,13 +95,14 @@ def load_corpus(source: str, path: str | tuple[str, ...] | list[str] | None, voc
         root = sysconfig.get_paths()["stdlib"]
         train, heldout = _stdlib_split(root, heldout_fraction)
         name = f"python-stdlib-{sys.version_info.major}.{sys.version_info.minor}"
-        corpus = Corpus(name, (Source(name, (train,)),), (heldout,), byte_level)
+        corpus = Corpus(name, (Source(name, (train,)),), (Source(name, (heldout,)),), byte_level)
     elif source == "text":
         if path is not None and not isinstance(path, str):
             raise DataError(f"data source 'text' takes one path (a file or directory), got {path!r}")
         p = _existing_path(source, path)
         train, heldout = _tail_split(_read_text(p), heldout_fraction)
-        corpus = Corpus(str(p), (Source(str(p), (train,)),), (heldout,), byte_level)
+        corpus = Corpus(str(p), (Source(str(p), (train,)),), (Source(str(p), (heldout,)),),
+                        byte_level)
     else:
         corpus = _load_tokens(path, weights, vocab_size, heldout_fraction, token_dtype)
 
@@ -121,17 +127,21 @@ def _existing_path(source: str, path: str | None) -> Path:
 
 
 @functools.lru_cache(maxsize=4)
-def _stdlib_split(root: str, heldout_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    train: list[bytes] = []
-    heldout: list[bytes] = []
+def stdlib_files(root: str, heldout_fraction: float) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(train, held-out) relative paths of the standard library's .py files under root."""
+    train, heldout = [], []
     threshold = heldout_fraction * 1000
     for rel in walk_files(Path(root), (".py",), prune=_EXCLUDED_DIRS):
         # Hash of the relative path: the split is stable across file additions/removals.
-        dest = heldout if zlib.crc32(rel.encode()) % 1000 < threshold else train
-        dest.append((Path(root) / rel).read_bytes())
+        (heldout if zlib.crc32(rel.encode()) % 1000 < threshold else train).append(rel)
+    return tuple(train), tuple(heldout)
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_split(root: str, heldout_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     # frombuffer over bytes gives read-only arrays, so the cached values cannot be mutated.
-    return (np.frombuffer(SEPARATOR.join(train), np.uint8),
-            np.frombuffer(SEPARATOR.join(heldout), np.uint8))
+    return tuple(np.frombuffer(SEPARATOR.join((Path(root) / rel).read_bytes() for rel in rels),
+                               np.uint8) for rels in stdlib_files(root, heldout_fraction))
 
 
 def walk_files(root: Path, suffixes: tuple[str, ...], prune: frozenset[str] = frozenset()) -> list[str]:
@@ -178,8 +188,9 @@ def _load_tokens(path, weights, vocab_size: int, heldout_fraction: float,
     for i, entry in enumerate(entries):
         train, held, tokenizer = _token_source(str(entry), vocab_size, heldout_fraction,
                                                TOKEN_DTYPES[token_dtype])
-        sources.append(Source(str(entry), tuple(train), 1.0 if weights is None else weights[i]))
-        heldout.extend(held)
+        weight = 1.0 if weights is None else weights[i]
+        sources.append(Source(str(entry), tuple(train), weight))
+        heldout.append(Source(str(entry), tuple(held), weight))
         if tokenizer is not None:
             tokenizers.setdefault(tokenizer.get("sha256"), (entry, tokenizer))
     if len(tokenizers) > 1:

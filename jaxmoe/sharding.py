@@ -169,6 +169,12 @@ def process_rows(sharding: NamedSharding, batch_size: int,
     return lo // rows, batch_size // rows
 
 
+def from_whole(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array every process holds whole (each process
+    places its devices' pieces)."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

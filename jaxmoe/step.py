@@ -1,8 +1,10 @@
-"""Sharded init, the pure train step and the eval step, compiled once per (config, mesh).
+"""Sharded init, the pure train step and the scoring steps, compiled once per (config, mesh).
 
 `train_step(state, batch) -> (state, metrics)` is a pure function jitted with
 explicit shardings and the state donated. Randomness comes from
-`fold_in(state.key, step)`. Metrics stay on device as arrays.
+`fold_in(state.key, step)`. Metrics stay on device as arrays. The scoring steps
+run the model forward through the same program as training: `eval_step` at the
+training capacity (the held-out loss), `score_step` dropless (downstream tasks).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmoe import sharding
-from jaxmoe.config import Config, ConfigError
+from jaxmoe.config import Config, ConfigError, dropless
 from jaxmoe.load_metrics import load_metrics
 from jaxmoe.model.moe import MEAN_STATS
 from jaxmoe.model.transformer import Transformer
@@ -51,7 +53,11 @@ class Steps:
     batch_sharding: NamedSharding
     init: Callable[[jax.Array], TrainState]
     train_step: Callable[[TrainState, jax.Array], tuple[TrainState, dict]]
-    eval_step: Callable[[TrainState, jax.Array], dict]
+    # (params, buffers, tokens_BxL1, mask_BxL) -> {"logprob": [B], "greedy": [B]}: each
+    # row's summed log-probability of its masked targets, and 1.0 where every one of
+    # them is the model's argmax; eval_step at the training capacity, score_step dropless
+    eval_step: Callable[[nnx.State, nnx.State, jax.Array, jax.Array], dict]
+    score_step: Callable[[nnx.State, nnx.State, jax.Array, jax.Array], dict]
 
     def model(self, state: TrainState) -> Transformer:
         """An nnx view of the state's parameters, MoE layers in model order (for
@@ -100,7 +106,7 @@ def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout) -> Callable:
         model = nnx.merge(graphdef, working, buffers)
         x, aux = model.hidden(tokens_BxL1[:, :-1], layout=layout, key=key, remat=cfg.train.remat)
         ce = model.cross_entropy(x, tokens_BxL1[:, 1:], layout, cfg.train.loss_chunk)
-        ce = ce if layout is None else layout.ce_share(ce)
+        ce = ce if layout is None else layout.output_share(ce)
         loss = ce
         if has_moe:
             loss += moe.balance_loss_weight * jnp.mean(aux["balance_loss"])
@@ -108,6 +114,25 @@ def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout) -> Callable:
         return loss, (ce, aux)
 
     return loss_fn
+
+
+def make_score_fn(cfg: Config, graphdef: nnx.GraphDef, layout) -> Callable:
+    """`score_fn(working, buffers, tokens_BxL1, mask_BxL) -> (logprob_B, greedy_B)`: each
+    row's summed log-probability of the targets its mask selects, and 1.0 where every
+    one of them is the model's argmax (0.0 otherwise)."""
+
+    def score_fn(working, buffers, tokens_BxL1, mask_BxL):
+        model = nnx.merge(graphdef, working, buffers)
+        x, _ = model.hidden(tokens_BxL1[:, :-1], layout=layout)
+        logprob_BxL, greedy_BxL = model.target_logprobs(x, tokens_BxL1[:, 1:], layout,
+                                                        cfg.train.loss_chunk)
+        logprob_B = jnp.sum(jnp.where(mask_BxL, logprob_BxL, 0.0), axis=1)
+        greedy_B = jnp.all(greedy_BxL | ~mask_BxL, axis=1).astype(jnp.float32)
+        if layout is not None:
+            logprob_B, greedy_B = layout.output_share(logprob_B), layout.output_share(greedy_B)
+        return logprob_B, greedy_B
+
+    return score_fn
 
 
 def accumulate_gradients(loss_fn: Callable, cfg: Config, params, buffers, batch_BxL1: jax.Array,
@@ -182,7 +207,13 @@ class AutoProgram:
         self.cfg, self.layout, self.use_specs = cfg, layout, use_specs
 
     def start(self, step_key, batch_BxL1):
-        return step_key, batch_BxL1
+        return step_key, self.own_rows(batch_BxL1)
+
+    def own_rows(self, batch_BxL1):
+        return batch_BxL1
+
+    def per_row(self, x_B):
+        return x_B
 
     def working(self, params):
         return working_copy(self.cfg, self.layout.mesh, params, self.use_specs)
@@ -223,10 +254,19 @@ class DeviceProgram:
         self.n_batch = self.mesh.shape["data"] * self.mesh.shape["expert"]
 
     def start(self, step_key, rows_bxL1):
-        # own router jitter; rows, like the weights, vary over every axis (stage
-        # included), so no use of a weight implies a reduction of its gradient
-        return (jax.random.fold_in(step_key, jax.lax.axis_index(BATCH_AXES)),
-                vary(rows_bxL1, ("stage",)))
+        # own router jitter
+        key = jax.random.fold_in(step_key, jax.lax.axis_index(BATCH_AXES))
+        return key, self.own_rows(rows_bxL1)
+
+    def own_rows(self, rows_bx):
+        # rows, like the weights, vary over every axis (stage included), so no use of
+        # a weight implies a reduction of its gradient
+        return vary(rows_bx, ("stage",))
+
+    def per_row(self, x_b):
+        """A per-row value from the stage that holds the model's output (`output_share`
+        zeroed it elsewhere)."""
+        return jax.lax.psum(x_b, "stage")
 
     def working(self, params):
         """Cast, then (ZeRO-1 bf16 masters) gathered, then per device: made once a step."""
@@ -243,7 +283,7 @@ class DeviceProgram:
 
     def totals(self, loss, ce, aux):
         # over every axis: stages hold disjoint layers (zeros elsewhere) and the
-        # last stage's loss (`DeviceLayout.ce_share`)
+        # last stage's loss (`DeviceLayout.output_share`)
         total = lambda v: ddp.psum_everywhere(v, self.mesh.axis_names)  # noqa: E731
         aux = {k: total(v) / (self.n_batch if k in MEAN_STATS else 1) for k, v in aux.items()}
         return total(loss) / self.n_batch, total(ce) / self.n_batch, aux
@@ -288,16 +328,15 @@ def make_train_step(cfg: Config, program, loss_fn: Callable, tx, lr_at) -> Calla
     return train_step
 
 
-def make_eval_step(program, loss_fn: Callable) -> Callable:
-    """Held-out cross-entropy through the same program as training."""
+def make_score_step(program, score_fn: Callable) -> Callable:
+    """Scores rows through the same program as training (`make_score_fn`'s outputs)."""
 
-    def eval_step(state: TrainState, batch_BxL1: jax.Array):
-        _, rows = program.start(state.key, batch_BxL1)
-        _, (ce, aux) = loss_fn(program.working(state.params), state.buffers, rows, None)
-        _, ce, _ = program.totals(ce, ce, {})
-        return {"ce": ce}
+    def score_step(params, buffers, batch_BxL1: jax.Array, mask_BxL: jax.Array):
+        logprob_B, greedy_B = score_fn(program.working(params), buffers,
+                                       program.own_rows(batch_BxL1), program.own_rows(mask_BxL))
+        return {"logprob": program.per_row(logprob_B), "greedy": program.per_row(greedy_B)}
 
-    return eval_step
+    return score_step
 
 
 def _update(tx, params, opt_state, grads, grad_norm, finite):
@@ -369,30 +408,41 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
         zero = jnp.zeros((), jnp.int32)
         return TrainState(zero, params, buffers, tx.init(params), key, zero)
 
+    # the same parameters with buffers that drop nothing: only the model's MoE config differs
+    dropless_graphdef = abstract_model(dropless(cfg))[0]
     if uses_per_device_step(cfg):
-        device_layout = DeviceLayout(mesh, cfg)
-        program = DeviceProgram(cfg, device_layout, use_specs, shard_specs)
-        loss_fn = make_loss_fn(cfg, graphdef, device_layout)
+        model_layout = DeviceLayout(mesh, cfg)
+        program = DeviceProgram(cfg, model_layout, use_specs, shard_specs)
         specs = jax.tree.map(lambda s: s.spec, shardings,
                              is_leaf=lambda x: isinstance(x, NamedSharding))
-        per_device = lambda f, out: jax.shard_map(  # noqa: E731
-            f, mesh=mesh, in_specs=(specs, P(BATCH_AXES)), out_specs=out, check_vma=True)
-        train_step = per_device(make_train_step(cfg, program, loss_fn, tx, lr_at), (specs, P()))
-        eval_step = per_device(make_eval_step(program, loss_fn), P())
+        train_step = jax.shard_map(
+            make_train_step(cfg, program, make_loss_fn(cfg, graphdef, model_layout), tx, lr_at),
+            mesh=mesh, in_specs=(specs, P(BATCH_AXES)), out_specs=(specs, P()), check_vma=True)
+        rows = P(BATCH_AXES)
+        on_mesh = lambda f: jax.shard_map(  # noqa: E731
+            f, mesh=mesh, in_specs=(specs.params, specs.buffers, rows, rows),
+            out_specs={"logprob": rows, "greedy": rows}, check_vma=True)
     else:
+        model_layout = layout
         program = AutoProgram(cfg, layout, use_specs)
-        loss_fn = make_loss_fn(cfg, graphdef, layout)
-        train_step = make_train_step(cfg, program, loss_fn, tx, lr_at)
-        eval_step = make_eval_step(program, loss_fn)
+        train_step = make_train_step(cfg, program, make_loss_fn(cfg, graphdef, layout), tx, lr_at)
+        on_mesh = lambda f: f  # noqa: E731
 
     rep = sharding.replicated(mesh)
+
+    def scoring(model_graphdef):
+        step = on_mesh(make_score_step(program, make_score_fn(cfg, model_graphdef,
+                                                                 model_layout)))
+        return jax.jit(step, in_shardings=(shardings.params, shardings.buffers, batch_sh, batch_sh),
+                       out_shardings=rep)
+
     return Steps(
         cfg=cfg, mesh=mesh, layout=layout, graphdef=graphdef, state_shardings=shardings,
         batch_sharding=batch_sh,
         init=jax.jit(init, in_shardings=rep, out_shardings=shardings),
         train_step=jax.jit(train_step, in_shardings=(shardings, batch_sh),
                            out_shardings=(shardings, rep), donate_argnums=0),
-        eval_step=jax.jit(eval_step, in_shardings=(shardings, batch_sh), out_shardings=rep),
+        eval_step=scoring(graphdef), score_step=scoring(dropless_graphdef),
     )
 
 
@@ -436,16 +486,21 @@ def update_expert_bias(buffers: nnx.State, counts_LmxE: jax.Array, rate: float,
 
 
 def with_weights(steps: Steps, state: TrainState, weights: dict) -> TrainState:
-    """`state` with these weights: a plain dict in model order, router biases included
-    (what `jaxmoe.load_params` and `jaxmoe.hf.load_hf` give), stored as the layout
-    keeps them and placed on the mesh. The optimizer state stays."""
-    _, abs_params, abs_buffers = abstract_model(steps.cfg)
-    params, buffers = abs_params, abs_buffers
+    """`state` with these weights (see `place_weights`). The optimizer state stays."""
+    params, buffers = place_weights(steps, weights)
+    return state._replace(params=params, buffers=buffers)
+
+
+def place_weights(steps: Steps, weights: dict) -> tuple[nnx.State, nnx.State]:
+    """(params, buffers) of a plain dict of weights in model order, router biases
+    included (what `jaxmoe.load_params` and `jaxmoe.hf.load_hf` give), stored as the
+    layout keeps them and placed on the mesh: what the steps take."""
+    _, params, buffers = abstract_model(steps.cfg)
     params.replace_by_pure_dict(_only(weights, params.to_pure_dict()))
     buffers.replace_by_pure_dict(_only(weights, buffers.to_pure_dict()))
     shardings, stored = steps.state_shardings, steps.layout.stored  # on the host
-    return state._replace(params=jax.device_put(stored(params), shardings.params),
-                          buffers=jax.device_put(stored(buffers), shardings.buffers))
+    return (jax.device_put(stored(params), shardings.params),
+            jax.device_put(stored(buffers), shardings.buffers))
 
 
 def _only(weights: dict, like: dict) -> dict:

@@ -17,10 +17,10 @@ import numpy as np
 import yaml
 from absl import logging as absl_logging
 
-from jaxmoe import checkpoint, distributed, hf, sinks
+from jaxmoe import checkpoint, distributed, heldout, hf, sinks
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config, ConfigError, flops_per_token, load_config
-from jaxmoe.batches import BatchIterator, Prefetcher, heldout_batches
+from jaxmoe.batches import BatchIterator, Prefetcher
 from jaxmoe.data import Corpus, DataError, load_corpus
 from jaxmoe.distributed import DistributedError
 from jaxmoe.monitor import Monitor, to_python
@@ -38,11 +38,6 @@ def global_batch(steps, rows_bxL1: np.ndarray) -> jax.Array:
     """The global batch, sharded for the step, from this process's rows of it."""
     shape = (steps.cfg.train.batch_size, rows_bxL1.shape[1])
     return jax.make_array_from_process_local_data(steps.batch_sharding, rows_bxL1, shape)
-
-
-def evaluate(steps, state, batches: list[np.ndarray]) -> float:
-    ces = [steps.eval_step(state, global_batch(steps, b))["ce"] for b in batches]
-    return float(np.mean(jax.device_get(ces)))
 
 
 def check_resumable(cfg: Config, require: bool) -> None:
@@ -94,6 +89,10 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     corpus.check_tokenizer(tokenizer.describe())
     BatchIterator(corpus.train, t.batch_size, t.seq_len, seed=t.seed)  # data errors before compiling
     steps = build_steps(cfg, make_mesh(cfg.mesh))
+    downstream = None
+    if t.evals.tasks:  # lm-eval is an extra: imported only when tasks are asked for
+        from jaxmoe.downstream import Downstream
+        downstream = Downstream(cfg, steps, tokenizer)
     run_dir = Path(t.run_dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir)
     saved = checkpoint.complete_steps(ckpt_dir)
@@ -116,19 +115,28 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     batches = BatchIterator(corpus.train, t.batch_size, t.seq_len, seed=t.seed,
                             process_index=block, process_count=blocks,
                             start_step=data_state["step"])
-    eval_set = heldout_batches(corpus.heldout, t.batch_size, t.seq_len, t.eval_batches,
-                               process_index=block, process_count=blocks)
+    eval_sets, too_short = heldout.heldout_sets(corpus, tokenizer, t.batch_size, t.seq_len,
+                                                t.eval_batches)
     manager = checkpoint.checkpoint_manager(run_dir, cfg)
     monitor = Monitor(run_dir, t.steps, start, cfg.logging.progress,
                       sinks.open_sinks(cfg, run_dir, resuming=start > 0), active=main)
     if jax.process_count() > 1:
         monitor.write(distributed.layout(steps.batch_sharding, t.batch_size))
+    if too_short:
+        monitor.write(f"no held-out loss of {', '.join(too_short)}: no held-out shard of "
+                      f"seq_len + 1 = {t.seq_len + 1} tokens")
+
+    def evaluations(state, losses: bool, tasks: bool) -> dict:
+        record = heldout.evaluate(steps, state, eval_sets) if losses else {}
+        return record | (downstream(state) if tasks and downstream else {})
+
     summary = {"run_dir": str(run_dir.absolute())}
     if start:
         monitor.write(f"resumed from step {start} in {ckpt_dir}")
     else:
-        summary["heldout_loss_initial"] = evaluate(steps, state, eval_set)
-        monitor.log({"step": 0, "eval_ce": summary["heldout_loss_initial"]})
+        first = evaluations(state, True, True)
+        summary["heldout_loss_initial"] = first["eval_ce"]
+        monitor.log({"step": 0, **first})
     tokens_per_step = t.batch_size * t.seq_len
     model_flops = flops_per_token(cfg)
     peak = Peak.of(steps.mesh.devices.flat)
@@ -175,8 +183,10 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                         f"non-finite loss or gradient (train.max_bad_steps={t.max_bad_steps}); "
                         f"stopped, last good checkpoint kept in {ckpt_dir}")
             with clock.timed("host"):
-                if t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                    monitor.log({"step": step, "eval_ce": evaluate(steps, state, eval_set)})
+                losses = bool(t.eval_every) and step % t.eval_every == 0 and step != t.steps
+                tasks = downstream is not None and downstream.due(step) and step != t.steps
+                if losses or tasks:
+                    monitor.log({"step": step, **evaluations(state, losses, tasks)})
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != end:
                     checkpoint.save(manager, state, batches.state(), steps)
             check = jax.process_count() == 1 or step % cfg.logging.log_every == 0
@@ -193,13 +203,17 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
         if main:
             print(f"stopped {why} at step {int(state.step)}; checkpoint in {ckpt_dir}")
         return summary
-    final_eval = evaluate(steps, state, eval_set)
-    monitor.log({"step": t.steps, "eval_ce": final_eval})
+    final = evaluations(state, True, True)
+    monitor.log({"step": t.steps, **final})
     monitor.close()
-    summary["heldout_loss"] = final_eval
+    summary |= {"heldout_loss": final["eval_ce"], **final}
     if main:
-        print(f"held-out loss {final_eval:.4f}; outputs in {run_dir.absolute()} "
-              "(metrics.jsonl, config.yaml, checkpoints/)")
+        tasks = "".join(f"; {key.removeprefix('downstream/').replace('/', ' ')} {value:.3f}"
+                        for key, value in final.items()
+                        if key.startswith("downstream/") and key.endswith(("/acc", "/acc_norm")))
+        print(f"held-out loss {final['eval_ce']:.4f} ({final['eval_bpb']:.3f} bits per byte)"
+              f"{tasks}; outputs in {run_dir.absolute()} (metrics.jsonl, config.yaml, "
+              "checkpoints/)")
     return summary
 
 

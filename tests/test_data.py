@@ -397,6 +397,6 @@ def test_tiny_weights_still_get_a_slot():
 
 
 def test_corpus_is_frozen():
-    c = Corpus("x", (Source("x", (TOKENS,)),), (TOKENS,))
+    c = Corpus("x", (Source("x", (TOKENS,)),), (Source("x", (TOKENS,)),))
     with pytest.raises(AttributeError):
         c.name = "y"  # type: ignore[misc]

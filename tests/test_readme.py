@@ -17,7 +17,10 @@ ROOT = Path(__file__).parent.parent
 TOY_MODEL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
              "model.head_dim=16", "model.mlp_hidden=64", "moe.expert_hidden=32",
              "train.batch_size=8", "train.seq_len=32"]
-TOY_RUN = ["train.steps=3", "optimizer.warmup_steps=1", "train.eval_every=0", "train.eval_batches=1", "logging.progress=false"]
+# the default job's downstream task asks about lines longer than the toy rows (its own
+# test trains the shipped config: tests/test_train.py)
+TOY_RUN = ["train.steps=3", "optimizer.warmup_steps=1", "train.eval_every=0", "train.eval_batches=1",
+           "train.evals.tasks=[]", "logging.progress=false"]
 # appended to each command, by module: small enough to take seconds
 TOY_ARGS = {
     "jaxmoe.train": [a for s in TOY_MODEL + TOY_RUN for a in ("--set", s)],
@@ -25,6 +28,7 @@ TOY_ARGS = {
     "jaxmoe.generate": ["--max-new-tokens", "8"],
     "jaxmoe.prepare": ["--no-progress"],
     "jaxmoe.export": [],
+    "jaxmoe.eval": ["--limit", "4", "--max-length", "128"],  # the toy runs' rows are 32 long
     # the shipped batch and layer count; narrow layers, short sequences
     "jaxmoe.plan": [a for s in ["model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
                                 "model.head_dim=16", "model.mlp_hidden=64", "model.vocab_size=256",

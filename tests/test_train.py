@@ -91,6 +91,7 @@ def test_shipped_config_trains(tmp_path, name):
     from jaxmoe.config import load_config
     path = Path(__file__).parent.parent / "configs" / f"{name}.yaml"
     cfg = load_config(path, ["train.steps=3", "optimizer.warmup_steps=1", "train.eval_batches=1",
+                             "train.evals.limit=4",
                              f"train.run_dir={tmp_path}", "logging.progress=false",
                              "logging.log_every=1"])
     summary = train(cfg, load_corpus("stdlib", None, 256, cfg.train.seq_len))
@@ -113,6 +114,7 @@ def test_sigint_stops_with_a_checkpoint_that_resumes(tmp_path):
             "model.num_kv_heads": 1, "model.mlp_hidden": 64, "moe.num_experts": 4,
             "moe.expert_hidden": 16, "moe.dispatcher": "dense", "train.batch_size": 8,
             "train.seq_len": 16, "train.eval_batches": 1, "train.eval_every": 0,
+            "train.evals.tasks": [],
             "train.steps": 100_000,  # still running when the signal comes
             "optimizer.warmup_steps": 1, "checkpoint.every": 0, "logging.log_every": 1,
             "logging.progress": False, "train.run_dir": str(tmp_path)}
@@ -140,3 +142,56 @@ def test_sigint_stops_with_a_checkpoint_that_resumes(tmp_path):
     assert f"resumed from step {stop}" in again.stdout
     assert _logged_steps(tmp_path) == logged + [stop + 1, stop + 2]
     assert checkpoint.complete_steps(ckpts) == [stop, stop + 2]
+
+
+def test_heldout_loss_of_each_source(tmp_path):
+    """A mixture's held-out loss per source (eval_ce/<source>, eval_bpb/<source>),
+    each what the model's logits give on that source's held-out windows; eval_ce and
+    eval_bpb weigh them as the mixture does. A learnable source and a noise one
+    differ, and the weights move the total."""
+    import math
+
+    import jaxmoe
+    from jaxmoe.batches import heldout_batches
+    from jaxmoe.tokenizer import load_tokenizer
+    from tiny_tokenizer import make_tokenizer, sentences
+
+    tok = load_tokenizer(make_tokenizer(tmp_path / "tok"))
+    prose = np.array(sum(tok.encode_documents(sentences(600)), []), np.uint16)
+    prose.tofile(tmp_path / "prose.bin")
+    (tmp_path / "noise").mkdir()
+    np.random.default_rng(0).integers(0, 300, len(prose)).astype(np.uint16).tofile(
+        tmp_path / "noise" / "0.bin")
+    paths = [str(tmp_path / "prose.bin"), str(tmp_path / "noise" / "*.bin")]
+    cfg = config_from_dict({
+        "model": {"vocab_size": 300, "d_model": 32, "num_layers": 2, "num_heads": 2,
+                  "num_kv_heads": 1, "num_dense_layers": 1, "mlp_hidden": 64},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "dispatcher": "dense"},
+        "data": {"source": "tokens", "path": paths, "weights": [3.0, 1.0],
+                 "tokenizer": str(tmp_path / "tok")},
+        "train": {"steps": 12, "batch_size": 8, "seq_len": 32, "eval_every": 0,
+                  "eval_batches": 2, "run_dir": str(tmp_path / "run")},
+        "optimizer": {"warmup_steps": 2, "learning_rate": 1e-2},
+        "logging": {"progress": False}})
+    corpus = load_corpus("tokens", paths, 300, 32, weights=[3.0, 1.0])
+    summary = train(cfg, corpus)
+    params, local = jaxmoe.load_params(tmp_path / "run")
+    for label, source in zip(["prose", "noise"], corpus.heldout_sources):
+        nats = texts = 0.0
+        for b in heldout_batches(source.shards, 8, 32, 2):
+            logits = np.asarray(jaxmoe.apply(params, b[:, :-1], local)[0], np.float64)
+            top = logits.max(-1, keepdims=True)
+            logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+            nats -= np.take_along_axis(logp, b[:, 1:, None], -1).sum()
+            texts += sum(len(tok._hf.decode(list(r[1:]), skip_special_tokens=True).encode())
+                         for r in b)
+        # 512 fp32 log-probabilities summed: 2^-16 relative bounds their rounding
+        np.testing.assert_allclose(summary[f"eval_ce/{label}"], nats / (2 * 8 * 32), rtol=2.0 ** -16)
+        np.testing.assert_allclose(summary[f"eval_bpb/{label}"], nats / math.log(2) / texts,
+                                   rtol=2.0 ** -16)
+    assert summary["eval_ce/noise"] > summary["eval_ce/prose"] + 0.5  # noise stays unlearnt
+    np.testing.assert_allclose(summary["eval_ce"], (3 * summary["eval_ce/prose"]
+                                                    + summary["eval_ce/noise"]) / 4, rtol=1e-12)
+    assert abs(summary["eval_ce"] - (summary["eval_ce/prose"] + summary["eval_ce/noise"]) / 2) > 0.1
+    # a byte's worth: the prose's tokens are merges of several bytes
+    assert summary["eval_bpb/prose"] < summary["eval_ce/prose"] / math.log(2)

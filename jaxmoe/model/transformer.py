@@ -215,6 +215,27 @@ class Transformer(nnx.Module):
             logits = jnp.einsum("bld,dv->blv", x_BxLxD, self.head[...].astype(x_BxLxD.dtype))
             return _constrain(logits, layout).astype(jnp.float32)
 
+    def target_logprobs(self, x_BxLxD: jax.Array, targets_BxL: jax.Array, layout=None,
+                        chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+        """From `hidden`'s output: log p(target) [B, L], and whether each target is the
+        model's argmax [B, L] (the first of tied maxima, as torch's argmax). chunk > 0:
+        the head runs `chunk` positions at a time, never holding B x L x V logits."""
+
+        def score(x_BxLbxD, targets_BxLb):
+            logits = self.logits(x_BxLbxD, layout)
+            logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), targets_BxLb[..., None],
+                                          axis=-1)[..., 0]
+            return logprob, jnp.argmax(logits, axis=-1) == targets_BxLb
+
+        B, L, D = x_BxLxD.shape
+        if not chunk or chunk >= L or L % chunk:
+            return score(x_BxLxD, targets_BxL)
+        n = L // chunk
+        xs = (x_BxLxD.reshape(B, n, chunk, D).swapaxes(0, 1),
+              targets_BxL.reshape(B, n, chunk).swapaxes(0, 1))
+        logprob_NxBxLb, greedy_NxBxLb = jax.lax.map(lambda xs: score(*xs), xs)
+        return tuple(a.swapaxes(0, 1).reshape(B, L) for a in (logprob_NxBxLb, greedy_NxBxLb))
+
     def cross_entropy(self, x_BxLxD: jax.Array, targets_BxL: jax.Array, layout=None,
                       chunk: int = 0) -> jax.Array:
         """Mean next-token cross-entropy from `hidden`'s output. chunk > 0: the head

@@ -9,8 +9,8 @@ asks it six things: which kernels its devices run (`kernels`: attention, MXFP8,
 the ragged exchange, read from the mesh's devices, not the host's), pin
 activations to the batch split, run an MoE layer's dispatch, total a per-shard
 router statistic over the batch, run the stacked MoE layers (a scan, or a
-pipeline over `stage`), and weigh the loss it computed (with pipeline stages,
-only the last stage's output counts).
+pipeline over `stage`), and weigh what it computed from its output, the loss or a
+row's score (with pipeline stages, only the last stage's output counts).
 
 - `GlobalLayout`: the model sees global arrays and XLA partitions the program
   (fsdp, and the pure-function API with `mesh=`). Expert-parallel dispatchers
@@ -134,9 +134,10 @@ class GlobalLayout:
         """A statistic summed over this program's tokens is already global."""
         return x
 
-    def ce_share(self, ce: jax.Array) -> jax.Array:
-        """The part of the cross-entropy this program contributes: all of it."""
-        return ce
+    def output_share(self, x: jax.Array) -> jax.Array:
+        """The part of a value of the model's output (the loss, a row's score) this
+        program contributes: all of it."""
+        return x
 
     def own_share(self, a_Lmx: jax.Array) -> jax.Array:
         """Per-MoE-layer values [Lm, ...] in model order (e.g. router bias updates) as
@@ -185,10 +186,10 @@ class DeviceLayout(GlobalLayout):
             x_TxD, routing.expert_TxK, routing.gate_TxK, weights, cfg, self.mesh.shape["expert"],
             self.kernels)
 
-    def ce_share(self, ce: jax.Array) -> jax.Array:
+    def output_share(self, x: jax.Array) -> jax.Array:
         """With pipeline stages only the last stage holds the model's output."""
         S = self.mesh.shape["stage"]
-        return ce if S == 1 else jnp.where(lax.axis_index("stage") == S - 1, ce, 0.0)
+        return x if S == 1 else jnp.where(lax.axis_index("stage") == S - 1, x, 0.0)
 
     def own_share(self, a_Lmx: jax.Array) -> jax.Array:
         """This device's share of per-MoE-layer values [Lm, ...]: its stage's chunks,

@@ -174,7 +174,7 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
 
     stack: this device's chunks, [V, 1, per, ...]; x: its own rows. Returns (x, aux):
     x is the model's output on the last stage (the only stage whose loss counts:
-    `DeviceLayout.ce_share`), and aux holds this stage's layers at their model-order
+    `DeviceLayout.output_share`), and aux holds this stage's layers at their model-order
     positions and zeros elsewhere, so sums over `stage` give every layer once.
     """
     graphdef, state = nnx.split(stack)

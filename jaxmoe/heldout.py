@@ -1,0 +1,92 @@
+"""The held-out loss, of the whole corpus and of each source of a mixture.
+
+Each source's held-out tokens give a fixed set of `train.eval_batches` batches of
+windows (`heldout_batches`), scored through the training program at its training
+capacity (`Steps.eval_step`). Logged: `eval_ce` (nats per token) and `eval_bpb`
+(bits per byte of the text the targets stand for: a byte-level model's ids are
+bytes, a tokenizer's are decoded, special tokens counting none). With several
+sources, each has its own `eval_ce/<source>` and `eval_bpb/<source>`, and
+`eval_ce`, `eval_bpb` are their means weighted as the mixture weighs them.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxmoe.batches import heldout_batches
+from jaxmoe.data import Corpus
+from jaxmoe.sharding import from_whole
+from jaxmoe.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class HeldoutSet:
+    label: str | None  # the source's name in metric keys; None: the corpus has one source
+    weight: float  # the source's mixture weight
+    batches: tuple[np.ndarray, ...]  # int32 [B, L1]: every row of each batch
+    text_bytes: int  # UTF-8 bytes of the text all the batches' targets stand for
+
+
+def source_labels(names: list[str]) -> list[str]:
+    """Short names of sources for metric keys: the last part of each path that is not
+    a glob pattern, without a shard suffix; repeats get _2, _3, ..."""
+    labels = []
+    for name in names:
+        parts = [p for p in Path(name).parts if not glob.has_magic(p)] or [name]
+        label = Path(parts[-1]).stem if Path(parts[-1]).suffix in (".npy", ".bin") else parts[-1]
+        n, unique = 1, label
+        while unique in labels:
+            n += 1
+            unique = f"{label}_{n}"
+        labels.append(unique)
+    return labels
+
+
+def heldout_sets(corpus: Corpus, tokenizer: Tokenizer, batch_size: int, seq_len: int,
+                 num_batches: int) -> tuple[list[HeldoutSet], list[str]]:
+    """The sets to evaluate, and the sources too short for a window of seq_len + 1
+    held-out tokens (left out, named)."""
+    sources = corpus.heldout_sources
+    labels = source_labels([s.name for s in sources]) if len(sources) > 1 else [None]
+    sets, skipped = [], []
+    for source, label in zip(sources, labels):
+        if max((len(s) for s in source.shards), default=0) < seq_len + 1:
+            skipped.append(source.name)
+            continue
+        batches = tuple(heldout_batches(source.shards, batch_size, seq_len, num_batches))
+        text = sum(tokenizer.text_bytes(row[1:]) for b in batches for row in b)
+        sets.append(HeldoutSet(label, source.weight, batches, text))
+    return sets, skipped
+
+
+def nats(steps, state, batches) -> float:
+    """The negative log-likelihood of every target of the batches (whole, int32
+    [B, L1] each), summed: through the training program at its training capacity."""
+    put = lambda rows: from_whole(rows, steps.batch_sharding)  # noqa: E731
+    mask = put(np.ones(np.shape(batches[0][:, 1:]), bool))
+    logprob = [steps.eval_step(state.params, state.buffers, put(np.asarray(b)), mask)["logprob"]
+               for b in batches]
+    return -float(np.sum(jax.device_get(logprob), dtype=np.float64))
+
+
+def evaluate(steps, state, sets: list[HeldoutSet]) -> dict[str, float]:
+    """eval_ce and eval_bpb (and each source's) of the state's parameters."""
+    results, weights = {}, []
+    for s in sets:
+        total = nats(steps, state, s.batches)
+        targets = sum(b[:, 1:].size for b in s.batches)
+        ce, bpb = total / targets, total / math.log(2) / max(s.text_bytes, 1)
+        if s.label is None:
+            return {"eval_ce": ce, "eval_bpb": bpb}
+        results |= {f"eval_ce/{s.label}": ce, f"eval_bpb/{s.label}": bpb}
+        weights.append(s.weight)
+    w = np.asarray(weights) / np.sum(weights)
+    for key in ("eval_ce", "eval_bpb"):
+        results[key] = float(np.dot(w, [results[f"{key}/{s.label}"] for s in sets]))
+    return results
