@@ -16,7 +16,8 @@ standard errors) in metrics.jsonl and the sinks.
 from __future__ import annotations
 
 from jaxmoe.config import Config, ConfigError
-from jaxmoe.eval import EvalError, JaxmoeLM, Scorer, import_lm_eval, load_tasks, quiet, set_fewshot
+from jaxmoe.eval import (EvalError, JaxmoeLM, Scorer, import_lm_eval, load_tasks, quiet,
+                         set_fewshot)
 from jaxmoe.tokenizer import Tokenizer
 
 PREFIX = "downstream"
@@ -42,7 +43,7 @@ class Downstream:
             raise ConfigError(f"train.evals.tasks: {', '.join(generating)} generate text, which "
                               "training does not (it scores log-likelihoods); evaluate a "
                               "checkpoint with python -m jaxmoe.eval for those")
-        set_fewshot(self.tasks, evals.num_fewshot, cfg.train.seed)
+        self.num_fewshot, self.seed = evals.num_fewshot, cfg.train.seed
         self.every = evals.every or cfg.train.eval_every
         self.limit = evals.limit or None
         # one compiled shape for every task: the training batch's
@@ -51,18 +52,18 @@ class Downstream:
         self._check_lengths(cfg.train.seq_len)
 
     def _check_lengths(self, seq_len: int) -> None:
-        """A continuation must fit a row of seq_len targets (a context is cut to fit)."""
+        """A continuation must be of 1 to seq_len tokens (a context is cut to fit)."""
+        set_fewshot(self.tasks, self.num_fewshot, self.seed)
         for name, task in self.tasks["tasks"].items():
             with quiet():
                 task.build_all_requests(limit=self.limit, rank=0, world_size=1)
             pairs = [i.args for i in task.instances if i.request_type == "loglikelihood"]
-            longest = max((len(self.lm.tok_encode(cont)) if not ctx else
-                           len(self.lm._encode_pair(ctx, cont)[1]) for ctx, cont in pairs),
-                          default=0)
-            if longest > seq_len:
-                raise ConfigError(f"train.evals.tasks: {name} asks for continuations of up to "
-                                  f"{longest} tokens, more than a row of train.seq_len={seq_len} "
-                                  "holds")
+            lengths = [len(self.lm.tok_encode(cont)) if not ctx else
+                       len(self.lm._encode_pair(ctx, cont)[1]) for ctx, cont in pairs]
+            if lengths and not 1 <= min(lengths) <= max(lengths) <= seq_len:
+                raise ConfigError(f"train.evals.tasks: {name} asks for continuations of "
+                                  f"{min(lengths)} to {max(lengths)} tokens; a row of "
+                                  f"train.seq_len={seq_len} holds 1 to {seq_len}")
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -70,6 +71,8 @@ class Downstream:
     def __call__(self, state) -> dict[str, float]:
         """lm-eval's metrics of every task on the state's parameters, flattened."""
         self.lm.scorer.params, self.lm.scorer.buffers = state.params, state.buffers
+        # the same few-shot examples at every evaluation (the sampler draws as it goes)
+        set_fewshot(self.tasks, self.num_fewshot, self.seed)
         with quiet():
             results = self.lm_eval.evaluator.evaluate(
                 self.lm, self.tasks, limit=self.limit, bootstrap_iters=STDERR_DRAWS,

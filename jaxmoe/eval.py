@@ -80,7 +80,8 @@ def import_lm_eval():
 def quiet():
     """lm-eval's notices and progress bars silenced (it logs per task and per request)."""
     logger = logging.getLogger("lm_eval")
-    level, logger.level = logger.level, logging.ERROR
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # setLevel, which clears the level its children cached
     try:
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
             yield
@@ -149,6 +150,8 @@ def request_row(context_ids, continuation_ids, max_length: int) -> tuple[list[in
     t + 1, so targets first..len - 2 are the continuation's."""
     if not continuation_ids:
         raise EvalError("a request with an empty continuation: nothing to score")
+    if not context_ids:
+        raise EvalError("a request with no context ids: condition on the prefix token")
     if len(continuation_ids) > max_length:
         raise EvalError(f"a continuation of {len(continuation_ids)} tokens is longer than "
                         f"max_length {max_length}")
@@ -226,6 +229,8 @@ class JaxmoeLM(TemplateLM):
         size = (additional_config or {}).get("batch_size")
         if size is not None and "batch_size" not in args:
             args["batch_size"] = size
+        if "checkpoint" not in args:
+            raise EvalError("model_args: name the checkpoint, e.g. checkpoint=runs/tiny")
         return from_checkpoint(args.pop("checkpoint"), **args)
 
     @property
@@ -254,7 +259,9 @@ class JaxmoeLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """(log-likelihood, greedy) of each ((context, continuation), ids, ids)."""
-        results = self.score([request_row(ctx, cont, self.max_length)
+        # a context of only whitespace, which lm-eval moved into the continuation, is
+        # empty: it conditions on the prefix token, as an empty context does
+        results = self.score([request_row(ctx or [self.prefix_token_id], cont, self.max_length)
                               for _, ctx, cont in requests], disable_tqdm)
         for (strings, _, _), result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", strings, result)
@@ -375,7 +382,11 @@ def from_checkpoint(path: str, batch_size: int = 16, max_length: int | None = No
     from jaxmoe.step import build_steps, place_weights
     from jaxmoe.tokenizer import check_vocab, load_tokenizer, run_tokenizer
 
-    batch_size, seed = int(batch_size), int(seed)
+    try:
+        batch_size, seed = int(batch_size), int(seed)
+    except ValueError:
+        raise EvalError(f"batch size and seed: whole numbers (rows per forward; jaxmoe takes no "
+                        f"'auto'), got {batch_size!r} and {seed!r}") from None
     if batch_size < 1:
         raise EvalError(f"batch size: must be positive, got {batch_size}")
     directory, found = checkpoint.locate(path)
@@ -436,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
         lm_eval = import_lm_eval()
         if args.limit is not None and args.limit <= 0:
             raise EvalError(f"--limit: must be positive, got {args.limit}")
+        if args.num_fewshot is not None and args.num_fewshot < 0:
+            raise EvalError(f"--num-fewshot: must be >= 0, got {args.num_fewshot}")
+        if args.output and Path(args.output).is_dir():
+            raise EvalError(f"--output {args.output}: a directory; name the JSON file to write")
         directory, step = checkpoint.locate(args.checkpoint)
         _, meta = checkpoint.read_meta(directory, step, weights_only=True)
         # jaxmoe's stdlib task asks about the run's own held-out files
@@ -458,11 +473,15 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.utils import handle_non_serializable, make_table
 
     results["config"]["model_args"] = {"checkpoint": str(args.checkpoint)}
+    print(make_table(results))  # first: the figures survive a file that cannot be written
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(results, indent=1, default=handle_non_serializable))
-    print(make_table(results))
-    if args.output:
+        try:
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output).write_text(json.dumps(results, indent=1,
+                                                    default=handle_non_serializable))
+        except OSError as e:
+            print(f"error: --output {args.output}: {e}", file=sys.stderr)
+            return 2
         print(f"lm-eval's results in {args.output}", file=sys.stderr)
     return 0
 

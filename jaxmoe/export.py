@@ -75,13 +75,21 @@ def export_hf(checkpoint_path: str | Path, out: str | Path, dtype: str = "float3
               shard_bytes: int = 2 << 30, tokenizer: str | None = None) -> dict:
     """A Hugging Face checkpoint directory of a training checkpoint, with the run's
     tokenizer (or `tokenizer`: a tokenizer.json, its directory, or "bytes"); returns
-    its config."""
+    its config. A run that holds no tokenizer for its ids (raw token shards) is
+    written without one, saying so."""
     directory, step = checkpoint.locate(checkpoint_path)
     step, meta = checkpoint.read_meta(directory, step, weights_only=True)
     saved = checkpoint.saved_config(meta)
-    tokenizer = (load_tokenizer(tokenizer) if tokenizer
-                 else run_tokenizer(checkpoint.run_dir_of(checkpoint_path), saved))
-    check_vocab(tokenizer, saved.model.vocab_size)
+    if tokenizer:
+        tokenizer = load_tokenizer(tokenizer)
+    else:
+        try:
+            tokenizer = run_tokenizer(checkpoint.run_dir_of(checkpoint_path), saved)
+        except TokenizerError as e:
+            print(f"note: no tokenizer written: {e}", file=sys.stderr)
+            tokenizer = None
+    if tokenizer is not None:
+        check_vocab(tokenizer, saved.model.vocab_size)
     weights, cfg = checkpoint.restore_weights(directory, step)
     params = jax.tree.map(np.asarray, weights.to_pure_dict())  # host arrays, not copies
     del weights

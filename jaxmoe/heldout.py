@@ -4,9 +4,11 @@ Each source's held-out tokens give a fixed set of `train.eval_batches` batches o
 windows (`heldout_batches`), scored through the training program at its training
 capacity (`Steps.eval_step`). Logged: `eval_ce` (nats per token) and `eval_bpb`
 (bits per byte of the text the targets stand for: a byte-level model's ids are
-bytes, a tokenizer's are decoded, special tokens counting none). With several
-sources, each has its own `eval_ce/<source>` and `eval_bpb/<source>`, and
-`eval_ce`, `eval_bpb` are their means weighted as the mixture weighs them.
+bytes, a tokenizer's are decoded, special tokens counting none; left out when the
+tokenizer does not describe the ids, as for raw shards read with `bytes`). With
+several sources, each has its own `eval_ce/<source>` and `eval_bpb/<source>`; the
+totals are the mixture's: `eval_ce` the sources' losses weighted as the mixture
+weighs them, `eval_bpb` their weighted nats over their weighted bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 from jaxmoe.batches import heldout_batches
 from jaxmoe.data import Corpus
 from jaxmoe.sharding import from_whole
-from jaxmoe.tokenizer import Tokenizer
+from jaxmoe.tokenizer import BYTE_VOCAB, Tokenizer
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class HeldoutSet:
     label: str | None  # the source's name in metric keys; None: the corpus has one source
     weight: float  # the source's mixture weight
     batches: tuple[np.ndarray, ...]  # int32 [B, L1]: every row of each batch
-    text_bytes: int  # UTF-8 bytes of the text all the batches' targets stand for
+    text_bytes: int | None  # UTF-8 bytes of the text the targets stand for; None: unknown
 
 
 def source_labels(names: list[str]) -> list[str]:
@@ -60,7 +62,10 @@ def heldout_sets(corpus: Corpus, tokenizer: Tokenizer, batch_size: int, seq_len:
             skipped.append(source.name)
             continue
         batches = tuple(heldout_batches(source.shards, batch_size, seq_len, num_batches))
-        text = sum(tokenizer.text_bytes(row[1:]) for b in batches for row in b)
+        if tokenizer.is_bytes and max(int(b.max()) for b in batches) >= BYTE_VOCAB:
+            text = None  # ids a byte-level tokenizer does not cover: no text to count
+        else:
+            text = sum(tokenizer.text_bytes(row[1:]) for b in batches for row in b)
         sets.append(HeldoutSet(label, source.weight, batches, text))
     return sets, skipped
 
@@ -77,16 +82,20 @@ def nats(steps, state, batches) -> float:
 
 def evaluate(steps, state, sets: list[HeldoutSet]) -> dict[str, float]:
     """eval_ce and eval_bpb (and each source's) of the state's parameters."""
-    results, weights = {}, []
+    results, per_target = {}, []  # (weight, nats, text bytes) per target of each source
     for s in sets:
-        total = nats(steps, state, s.batches)
         targets = sum(b[:, 1:].size for b in s.batches)
-        ce, bpb = total / targets, total / math.log(2) / max(s.text_bytes, 1)
-        if s.label is None:
-            return {"eval_ce": ce, "eval_bpb": bpb}
-        results |= {f"eval_ce/{s.label}": ce, f"eval_bpb/{s.label}": bpb}
-        weights.append(s.weight)
-    w = np.asarray(weights) / np.sum(weights)
-    for key in ("eval_ce", "eval_bpb"):
-        results[key] = float(np.dot(w, [results[f"{key}/{s.label}"] for s in sets]))
+        ce = nats(steps, state, s.batches) / targets
+        text = None if s.text_bytes is None else s.text_bytes / targets
+        suffix = "" if s.label is None else f"/{s.label}"
+        results[f"eval_ce{suffix}"] = ce
+        if text:
+            results[f"eval_bpb{suffix}"] = ce / math.log(2) / text
+        per_target.append((s.weight, ce, text))
+    if len(sets) > 1:
+        weight, ce, text = zip(*per_target)
+        w = np.asarray(weight, np.float64) / sum(weight)
+        results["eval_ce"] = float(w @ np.asarray(ce))
+        if all(text):
+            results["eval_bpb"] = float(w @ np.asarray(ce) / math.log(2) / (w @ np.asarray(text)))
     return results

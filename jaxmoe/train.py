@@ -211,9 +211,9 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
         tasks = "".join(f"; {key.removeprefix('downstream/').replace('/', ' ')} {value:.3f}"
                         for key, value in final.items()
                         if key.startswith("downstream/") and key.endswith(("/acc", "/acc_norm")))
-        print(f"held-out loss {final['eval_ce']:.4f} ({final['eval_bpb']:.3f} bits per byte)"
-              f"{tasks}; outputs in {run_dir.absolute()} (metrics.jsonl, config.yaml, "
-              "checkpoints/)")
+        bits = f" ({final['eval_bpb']:.3f} bits per byte)" if "eval_bpb" in final else ""
+        print(f"held-out loss {final['eval_ce']:.4f}{bits}{tasks}; outputs in "
+              f"{run_dir.absolute()} (metrics.jsonl, config.yaml, checkpoints/)")
     return summary
 
 

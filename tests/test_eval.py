@@ -207,10 +207,14 @@ def test_loglikelihoods_are_apply_s(run, lm):
     long = "def f(x):\n    return x * 2\n" * 10 + "y = f(3)"  # cut from the left to fit
     # contexts end in no whitespace, which lm-eval would move into the continuation
     requests = [("def f(x):\n    return", " x"), ("import", " os"), ("", "print('hi')"),
-                (long, "\n")]
+                (long, "\n"), ("\n  ", "pass")]  # the last context is all whitespace
     got = lm.loglikelihood([_Request(c, x) for c, x in requests], disable_tqdm=True)
     for (context, continuation), (ll, greedy) in zip(requests, got):
-        ctx = list(context.encode()) if context else [lm.prefix_token_id]
+        # lm-eval moves a context's trailing whitespace into the continuation; nothing
+        # left conditions on the prefix token, as an empty context does
+        stripped = context.rstrip()
+        continuation = context[len(stripped):] + continuation
+        ctx = list(stripped.encode()) or [lm.prefix_token_id]
         ids, first = request_row(ctx, list(continuation.encode()), L)
         want, want_greedy, tol = direct(ids, first)
         assert abs(ll - want) <= tol and greedy == want_greedy, (context, ll, want)
@@ -281,6 +285,19 @@ def test_bad_tasks_and_checkpoints_are_named(run, tasks, tmp_path, capsys):
     train(cfg, load_corpus("tokens", str(shards), 300, L))
     assert "--tokenizer" in _error(capsys, "--checkpoint", str(tmp_path / "ids"), "--tasks",
                                    "probe_choice", "--include-path", str(tasks))
+    # its held-out loss has no bytes to count bits over; it exports without a tokenizer
+    last = _records(tmp_path / "ids")[-1]
+    assert "eval_ce" in last and "eval_bpb" not in last
+    from jaxmoe.export import main as export_main
+    assert export_main(["--checkpoint", str(tmp_path / "ids"), "--format", "hf",
+                        "--out", str(tmp_path / "ids_hf")]) == 0
+    assert "no tokenizer written" in capsys.readouterr().err
+    assert not (tmp_path / "ids_hf" / "tokenizer.json").exists()
+    (tmp_path / "out").mkdir()
+    assert "a directory" in _error(capsys, "--checkpoint", str(run), "--tasks", "probe_choice",
+                                   "--output", str(tmp_path / "out"))
+    assert "--num-fewshot" in _error(capsys, "--checkpoint", str(run), "--tasks",
+                                     "probe_choice", "--num-fewshot", "-1")
     assert "no complete checkpoint" in _error(capsys, "--checkpoint", str(tmp_path), "--tasks",
                                               "probe_choice")
 
@@ -301,3 +318,25 @@ def test_training_refuses_tasks_it_cannot_run(tasks, tmp_path):
             Downstream(cfg, build_steps(cfg, make_mesh(cfg.mesh)), BYTE_TOKENIZER)
         assert message in str(e.value)
     jax.clear_caches()
+
+
+def test_in_loop_few_shot_examples_stay_the_same(tasks):
+    """The few-shot sampler is reseeded at every evaluation: the same prompts (and so
+    the same figures) each time, not a new draw per evaluation."""
+    from jaxmoe.downstream import Downstream
+    from jaxmoe.sharding import make_mesh
+    from jaxmoe.step import build_steps
+    from jaxmoe.tokenizer import BYTE_TOKENIZER
+
+    cfg = config_from_dict({**RUN, "train": {**RUN["train"], "evals": {
+        "tasks": ["probe_choice"], "include_path": [str(tasks)], "num_fewshot": 2}}})
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    state = steps.init(jax.random.PRNGKey(0))
+    downstream = Downstream(cfg, steps, BYTE_TOKENIZER)
+    task = downstream.tasks["tasks"]["probe_choice"]
+    prompts, results = [], []
+    for _ in range(2):
+        results.append(downstream(state))
+        prompts.append([i.args[0] for i in task.instances])
+    assert prompts[0] == prompts[1] and results[0] == results[1]
+    assert all(p.count("\n") >= 2 for p in prompts[0])  # two examples before each question

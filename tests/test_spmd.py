@@ -167,24 +167,34 @@ def test_ddp_pipeline_step_equals_single_device(pipeline, accumulation, dispatch
     (PIPE, CIRCULAR, "ragged"),
 ])
 def test_ddp_eval_equals_single_device(mesh, pipeline, dispatcher):
-    """Held-out loss through the per-device program (expert-parallel, and a circular
-    pipeline whose last stage alone holds the output) is one device's: ~256 tokens'
-    fp32 sums reordered (2^-16 relative bounds them); a share counted on every stage
-    would be 2x. A wide init (not the ~uniform ln 256 of the default) makes two
-    batches' losses differ by far more."""
+    """Held-out loss and each row's scores (eval_step at the training capacity,
+    score_step dropless) through the per-device program (expert-parallel, and a
+    circular pipeline whose last stage alone holds the output) are one device's:
+    fp32 sums of up to 256 tokens reordered (2^-16 relative bounds them); a share
+    counted on every stage would be 2x, rows out of order another row's. A wide init
+    (not the ~uniform ln 256 of the default) makes rows and batches differ by far more."""
     wide = ["model.init_std=0.3"]
     cfg = override_config(_cfg(mesh, 1, pipeline=pipeline, dispatcher=dispatcher), wide)
     one = override_config(_cfg(None, 1, pipeline=None if pipeline is None else {},
                                dispatcher="dense"), wide)
     assert cfg.mesh.parallelism == "ddp" and cfg.num_moe_layers == one.num_moe_layers
     batches = _batches(2)
-    evals = []
+    mask = np.random.default_rng(1).random(batches[0][:, 1:].shape) < 0.5  # some targets
+    evals, rows = [], []
     for c, devices in [(cfg, jax.devices()), (one, jax.devices()[:1])]:
         steps = build_steps(c, make_mesh(c.mesh, devices))
         state = steps.init(jax.random.PRNGKey(0))
         evals.append([heldout.nats(steps, state, [b]) / b[:, 1:].size for b in batches])
+        put = lambda a: jax.device_put(a, steps.batch_sharding)  # noqa: E731
+        rows.append([jax.device_get(step(state.params, state.buffers, put(batches[0]), put(mask)))
+                     for step in (steps.eval_step, steps.score_step)])
     np.testing.assert_allclose(evals[0], evals[1], rtol=2.0 ** -16)
     assert abs(evals[1][0] - evals[1][1]) > 2.0 ** -8 * evals[1][0]
+    for got, want in zip(*rows):
+        np.testing.assert_allclose(got["logprob"], want["logprob"], rtol=2.0 ** -16)
+        np.testing.assert_array_equal(got["greedy"], want["greedy"])
+        logprob = want["logprob"]
+        assert np.abs(logprob - np.roll(logprob, 1)).min() > 2.0 ** -8 * np.abs(logprob).max()
 
 
 @pytest.mark.parametrize("mesh, dispatcher", [

@@ -192,6 +192,11 @@ def test_heldout_loss_of_each_source(tmp_path):
     assert summary["eval_ce/noise"] > summary["eval_ce/prose"] + 0.5  # noise stays unlearnt
     np.testing.assert_allclose(summary["eval_ce"], (3 * summary["eval_ce/prose"]
                                                     + summary["eval_ce/noise"]) / 4, rtol=1e-12)
+    # the mixture's bits per byte: its weighted nats over its weighted bytes
+    per_byte = {k: summary[f"eval_ce/{k}"] / math.log(2) / summary[f"eval_bpb/{k}"]
+                for k in ("prose", "noise")}  # text bytes per target
+    np.testing.assert_allclose(summary["eval_bpb"], summary["eval_ce"] / math.log(2) / (
+        (3 * per_byte["prose"] + per_byte["noise"]) / 4), rtol=1e-12)
     assert abs(summary["eval_ce"] - (summary["eval_ce/prose"] + summary["eval_ce/noise"]) / 2) > 0.1
     # a byte's worth: the prose's tokens are merges of several bytes
     assert summary["eval_bpb/prose"] < summary["eval_ce/prose"] / math.log(2)
