@@ -36,6 +36,8 @@ class ModelConfig:
     # over the whole projection, all heads at once (OLMoE), or none (Mixtral)
     qk_norm: Literal["none", "head", "full"] = "head"
     rope_theta: float = 10_000.0
+    # share of each head's dimensions RoPE rotates (the first ones; GLM-4.5 rotates half)
+    rope_fraction: float = 1.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -48,6 +50,11 @@ class ModelConfig:
     def head_size(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
 
+    @property
+    def rotary_dims(self) -> int:
+        """How many of a head's dimensions RoPE rotates (the first ones)."""
+        return int(self.head_size * self.rope_fraction)
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -58,6 +65,11 @@ class MoEConfig:
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     renormalize: bool = True  # rescale the top-k gates to sum to one
     gate_scale: float = 1.0  # then multiply them by this (dots1's routed_scaling_factor)
+    # group-limited routing (DeepSeek-V3, GLM-4.5): the experts in routing_groups
+    # contiguous groups; each token keeps the groups_per_token groups whose two best
+    # selection scores sum highest, and picks its top_k among their experts
+    routing_groups: int = 1
+    groups_per_token: int = 1
     expert_bias: bool = False  # selection-only per-expert bias (aux-loss-free balancing)
     bias_update_rate: float = 1e-3  # bias += rate * sign(mean load - load) after each step
     router_jitter: float = 0.0  # multiplicative input noise in training, e.g. 0.01
@@ -277,6 +289,9 @@ def validate(c: Config) -> None:
         _require(m.d_model % m.num_heads == 0, "model.d_model",
                  f"{m.d_model} is not divisible by num_heads={m.num_heads} (or set model.head_dim)")
     _require(m.head_size % 2 == 0, "model.head_dim", f"RoPE needs an even head size, got {m.head_size}")
+    _require(0 < m.rope_fraction <= 1 and m.rotary_dims % 2 == 0 and m.rotary_dims > 0,
+             "model.rope_fraction", f"{m.rope_fraction} of head size {m.head_size} rotates "
+             f"{m.rotary_dims} dimensions; need an even number, at least 2, in (0, 1]")
     if m.attention_block:
         _require(t.seq_len % m.attention_block == 0, "model.attention_block",
                  f"{m.attention_block} does not divide train.seq_len={t.seq_len}")
@@ -297,6 +312,18 @@ def validate(c: Config) -> None:
                  f"{moe.top_k} must be in [1, num_experts={moe.num_experts}]")
         _require(moe.expert_hidden > 0, "moe.expert_hidden", "must be positive")
         _require(moe.capacity_factor > 0, "moe.capacity_factor", "must be positive")
+        G = moe.routing_groups
+        _require(G > 0 and moe.num_experts % G == 0, "moe.routing_groups",
+                 f"{G} groups cannot split {moe.num_experts} experts evenly")
+        if G > 1:
+            _require(moe.num_experts // G >= 2, "moe.routing_groups",
+                     f"{moe.num_experts} experts in {G} groups leave one a group; a group's "
+                     "score sums its two best experts")
+        _require(1 <= moe.groups_per_token <= G, "moe.groups_per_token",
+                 f"{moe.groups_per_token} must be in [1, routing_groups={G}]")
+        _require(moe.top_k <= moe.groups_per_token * (moe.num_experts // G), "moe.top_k",
+                 f"{moe.top_k} experts cannot be picked from {moe.groups_per_token} group(s) of "
+                 f"{moe.num_experts // G}")
         if moe.expert_precision == "mxfp8":
             _require(m.d_model % 32 == 0 and moe.expert_hidden % 32 == 0, "moe.expert_precision",
                      "mxfp8 blocks of 32 need d_model and expert_hidden divisible by 32")

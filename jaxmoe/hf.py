@@ -1,4 +1,5 @@
-"""Hugging Face interop: jaxmoe models <-> Qwen3-MoE, OLMoE, Mixtral and dots1 checkpoints.
+"""Hugging Face interop: jaxmoe models <-> Qwen3-MoE, OLMoE, Mixtral, dots1 and GLM-4.5
+(glm4_moe) checkpoints.
 
 Which family takes a jaxmoe config (`family_for`):
 
@@ -7,10 +8,13 @@ Which family takes a jaxmoe config (`family_for`):
 | softmax router, per-head QK-norm              | qwen3_moe |
 | softmax router, QK-norm over the projection   | olmoe     |
 | softmax router, no QK-norm, renormalised gates | mixtral   |
-| sigmoid router (+ selection bias), shared expert, per-head QK-norm | dots1 |
+| sigmoid router (+ selection bias, groups), shared expert, per-head QK-norm | dots1 |
+| sigmoid router (+ selection bias, groups), any other: no shared expert, no QK-norm, partial RoPE | glm4_moe |
 
-Anything else (a softmax router with a selection bias, a shared expert beside a
-softmax router, ...) has no family in `transformers` and is refused by name.
+Anything else (a softmax router with a selection bias or a shared expert, QK-norm
+over the projection beside a sigmoid router, ...) has no family in `transformers`
+and is refused by name. dots1 and glm4_moe compute alike where both apply (their
+routers are DeepSeek-V3's); a model both take is written as dots1.
 
 Tensors are written as `save_pretrained` writes them: one per expert, in
 `[out, in]` layout, through the safetensors library's numpy interface (bfloat16
@@ -30,10 +34,12 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxmoe.api import check_params
-from jaxmoe.config import SHAPE_KEYS, Config, config_from_dict
+from jaxmoe.config import SHAPE_KEYS, Config, ConfigError, config_from_dict
 
 FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-            "mixtral": "MixtralForCausalLM", "dots1": "Dots1ForCausalLM"}
+            "mixtral": "MixtralForCausalLM", "dots1": "Dots1ForCausalLM",
+            "glm4_moe": "Glm4MoeForCausalLM"}
+SIGMOID = ("dots1", "glm4_moe")  # DeepSeek-V3's router: sigmoid, correction bias, groups
 INDEX = "model.safetensors.index.json"
 _DTYPES = ("F32", "BF16", "F16")  # what jaxmoe reads (as float32)
 
@@ -51,19 +57,27 @@ def family_for(cfg: Config) -> str:
     if not cfg.num_moe_layers:
         raise HFError("model.num_dense_layers == model.num_layers: a dense model is not an MoE "
                       "family's")
+    shared = moe.shared_expert_hidden
     if moe.score_func == "sigmoid":
-        problems = [("model.qk_norm", m.qk_norm != "head", "dots1 normalises q and k per head"),
-                    ("moe.shared_expert_hidden", moe.shared_expert_hidden % moe.expert_hidden != 0
-                     or not moe.shared_expert_hidden,
-                     "dots1's shared expert is a whole number (>= 1) of expert widths")]
-        _refuse("a sigmoid router", problems, "dots1")
-        return "dots1"
+        _refuse("a sigmoid router", [
+            ("model.qk_norm", m.qk_norm == "full", "dots1 and glm4_moe normalise q and k per "
+             "head or not at all"),
+            ("moe.shared_expert_hidden", shared % moe.expert_hidden != 0,
+             "a shared expert is a whole number of expert widths")], "dots1, glm4_moe")
+        if m.qk_norm == "head" and shared and m.rope_fraction == 1.0:
+            return "dots1"
+        return "glm4_moe"
     problems = [("moe.expert_bias", moe.expert_bias, "a selection bias beside a softmax router "
-                 "is in no family (moe.score_func: sigmoid with a shared expert exports as dots1)"),
-                ("moe.shared_expert_hidden", bool(moe.shared_expert_hidden),
-                 "a shared expert beside a softmax router is in no family (dots1 takes it with "
-                 "moe.score_func: sigmoid)"),
-                ("moe.gate_scale", moe.gate_scale != 1.0, "only dots1 scales the gates")]
+                 "is in no family (moe.score_func: sigmoid exports as dots1 or glm4_moe)"),
+                ("moe.shared_expert_hidden", bool(shared),
+                 "a shared expert beside a softmax router is in no family (moe.score_func: "
+                 "sigmoid exports as dots1 or glm4_moe)"),
+                ("moe.gate_scale", moe.gate_scale != 1.0, "only dots1 and glm4_moe scale the "
+                 "gates"),
+                ("moe.routing_groups", moe.routing_groups > 1, "group-limited routing comes "
+                 "with a sigmoid router (dots1, glm4_moe)"),
+                ("model.rope_fraction", m.rope_fraction != 1.0, "only glm4_moe rotates part of "
+                 "each head")]
     _refuse("a softmax router", problems, "qwen3_moe, olmoe or mixtral")
     if m.qk_norm == "head":
         return "qwen3_moe"
@@ -107,6 +121,8 @@ def hf_config(cfg: Config, family: str, eos_id: int | None = None, bos_id: int |
            "eos_token_id": eos_id, "dtype": dtype}
     if family != "olmoe":
         out["head_dim"] = m.head_size
+    if family == "glm4_moe":  # its default rotates half of each head
+        out["rope_parameters"]["partial_rotary_factor"] = m.rope_fraction
     if family == "qwen3_moe":
         out |= {"intermediate_size": m.mlp_hidden, "moe_intermediate_size": moe.expert_hidden,
                 "num_experts": moe.num_experts, "norm_topk_prob": moe.renormalize,
@@ -118,14 +134,18 @@ def hf_config(cfg: Config, family: str, eos_id: int | None = None, bos_id: int |
     elif family == "mixtral":
         out |= {"intermediate_size": moe.expert_hidden, "num_local_experts": moe.num_experts,
                 "sliding_window": None, "router_jitter_noise": moe.router_jitter}
-    else:
+    else:  # dots1, glm4_moe
         out |= {"intermediate_size": m.mlp_hidden, "moe_intermediate_size": moe.expert_hidden,
                 "n_routed_experts": moe.num_experts,
                 "n_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
-                "n_group": 1, "topk_group": 1, "first_k_dense_replace": m.num_dense_layers,
-                "norm_topk_prob": moe.renormalize, "routed_scaling_factor": moe.gate_scale,
-                "sliding_window": None, "max_window_layers": n,
-                "layer_types": ["full_attention"] * n}
+                "n_group": moe.routing_groups, "topk_group": moe.groups_per_token,
+                "first_k_dense_replace": m.num_dense_layers,
+                "norm_topk_prob": moe.renormalize, "routed_scaling_factor": moe.gate_scale}
+        if family == "dots1":
+            out |= {"sliding_window": None, "max_window_layers": n,
+                    "layer_types": ["full_attention"] * n}
+        else:  # no multi-token-prediction layer is written
+            out |= {"use_qk_norm": m.qk_norm == "head", "num_nextn_predict_layers": 0}
     return out
 
 
@@ -147,7 +167,9 @@ def config_from_hf(hf: dict) -> Config:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     # transformers' defaults where a config leaves them out
     theta = rope.get("rope_theta") or get("rope_theta") or (1e6 if family == "mixtral" else 1e4)
-    eps = get("rms_norm_eps") or (1e-5 if family in ("olmoe", "mixtral") else 1e-6)
+    eps = get("rms_norm_eps") or (1e-5 if family in ("olmoe", "mixtral", "glm4_moe") else 1e-6)
+    fraction = float(rope.get("partial_rotary_factor", get("partial_rotary_factor",
+                                                           0.5 if family == "glm4_moe" else 1.0)))
     layer_types = get("layer_types") or []
     problems = [
         ("quantization_config", get("quantization_config") is not None,
@@ -170,21 +192,19 @@ def config_from_hf(hf: dict) -> Config:
         ("mlp_only_layers", family == "qwen3_moe" and list(get("mlp_only_layers") or [])
          != list(range(len(get("mlp_only_layers") or []))),
          "jaxmoe's dense layers are the first ones"),
-        ("n_group", family == "dots1" and ((get("n_group") or 1) != 1
-                                           or (get("topk_group") or 1) != 1),
-         "jaxmoe routes without expert groups"),
-        ("n_shared_experts", family == "dots1" and not get("n_shared_experts"),
-         "jaxmoe's sigmoid router comes with a shared expert here"),
+        ("partial_rotary_factor", family != "glm4_moe" and fraction != 1.0,
+         f"{family} rotates whole heads"),
     ]
     _raise_for(problems, f"config.json ({family}): cannot be represented in jaxmoe: ")
     heads, d = get("num_attention_heads"), get("hidden_size")
     head_dim = get("head_dim") or d // heads
-    dense = {"qwen3_moe": len(get("mlp_only_layers") or []),
-             "dots1": get("first_k_dense_replace") or 0}.get(family, 0)
-    expert_hidden = get("moe_intermediate_size") if family in ("qwen3_moe", "dots1") \
+    sigmoid = family in SIGMOID
+    dense = len(get("mlp_only_layers") or []) if family == "qwen3_moe" else \
+        (get("first_k_dense_replace") or 0) if sigmoid else 0
+    expert_hidden = get("moe_intermediate_size") if family == "qwen3_moe" or sigmoid \
         else get("intermediate_size")
     # transformers writes Qwen3-MoE's num_experts as num_local_experts
-    experts = get("n_routed_experts") if family == "dots1" else (
+    experts = get("n_routed_experts") if sigmoid else (
         get("num_experts") or get("num_local_experts"))
     top_k = get("num_experts_per_tok")
     model = {"vocab_size": get("vocab_size"), "d_model": d, "num_layers": get("num_hidden_layers"),
@@ -192,23 +212,32 @@ def config_from_hf(hf: dict) -> Config:
              "head_dim": head_dim if head_dim * heads != d else 0,
              "mlp_hidden": get("intermediate_size"), "num_dense_layers": dense,
              "qk_norm": {"olmoe": "full", "mixtral": "none"}.get(family, "head"),
-             "rope_theta": float(theta), "norm_eps": float(eps)}
+             "rope_theta": float(theta), "rope_fraction": fraction, "norm_eps": float(eps)}
+    if family == "glm4_moe" and not get("use_qk_norm"):
+        model["qk_norm"] = "none"
     moe = {"num_experts": experts, "top_k": top_k, "expert_hidden": expert_hidden,
-           "score_func": "sigmoid" if family == "dots1" else "softmax",
-           "renormalize": True if family == "mixtral" else bool(get("norm_topk_prob")),
+           "score_func": "sigmoid" if sigmoid else "softmax",
+           "renormalize": True if family == "mixtral" else
+           bool(get("norm_topk_prob", family == "glm4_moe")),
            "router_jitter": float(get("router_jitter_noise") or 0.0),
            "dispatcher": "grouped", "capacity_factor": experts / top_k}
-    if family == "dots1":
-        moe |= {"expert_bias": True, "shared_expert_hidden": expert_hidden * get("n_shared_experts"),
-                "gate_scale": float(get("routed_scaling_factor") or 1.0)}
-    return config_from_dict({"model": model, "moe": moe})
+    if sigmoid:
+        moe |= {"expert_bias": True,
+                "shared_expert_hidden": expert_hidden * (get("n_shared_experts") or 0),
+                "gate_scale": float(get("routed_scaling_factor") or 1.0),
+                "routing_groups": get("n_group") or 1, "groups_per_token": get("topk_group") or 1}
+    try:
+        return config_from_dict({"model": model, "moe": moe})
+    except ConfigError as e:  # a combination jaxmoe's config refuses (groups of one, ...)
+        raise HFError(f"config.json ({family}): cannot be represented in jaxmoe: {e}") from None
 
 
 # The keys of an architecture: what a checkpoint's weights fix. The rest of a run's
 # config (dispatcher, capacity, losses, precision, parallelism) stays the user's.
 # The keys that shape the weights, and those that change what the weights compute.
-ARCHITECTURE = {"model": SHAPE_KEYS["model"] + ("rope_theta", "norm_eps"),
-                "moe": SHAPE_KEYS["moe"] + ("top_k", "score_func", "renormalize", "gate_scale")}
+ARCHITECTURE = {"model": SHAPE_KEYS["model"] + ("rope_theta", "rope_fraction", "norm_eps"),
+                "moe": SHAPE_KEYS["moe"] + ("top_k", "score_func", "renormalize", "gate_scale",
+                                            "routing_groups", "groups_per_token")}
 
 
 def with_architecture(cfg: Config, source: Config) -> Config:
@@ -251,11 +280,15 @@ def layer_tensors(layer: dict, cfg: Config, family: str, i: int) -> dict[str, np
     moe = layer["moe"]
     block, gate, up, down = _mlp_names(family, True)
     out[pre + f"{block}.gate.weight"] = moe["router"]["w"].T
-    if family == "dots1":
+    if family in SIGMOID:
         bias = moe["router"].get("bias")
         out[pre + "mlp.gate.e_score_correction_bias"] = (
             np.zeros(cfg.moe.num_experts, np.float32) if bias is None else bias)
-        out |= _mlp(pre + "mlp.shared_experts.", moe["shared"], "gate_proj", "up_proj", "down_proj")
+        # glm4_moe holds a shared expert of zero width where the model has none
+        D = cfg.model.d_model
+        shared = moe.get("shared") or {"w_gate_up": np.zeros((D, 0), np.float32),
+                                       "w_down": np.zeros((0, D), np.float32)}
+        out |= _mlp(pre + "mlp.shared_experts.", shared, "gate_proj", "up_proj", "down_proj")
     experts = moe["experts"]
     for e in range(cfg.moe.num_experts):
         out |= _mlp(pre + f"{block}.experts.{e}.", {k: v[e] for k, v in experts.items()},
@@ -387,8 +420,8 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, dtype: str = "float32
     family = family_for(cfg)
     wanted = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype("<f4")
 
-    def dtype_of(name):  # dots1 keeps its router in fp32 (transformers loads it so)
-        fp32 = family == "dots1" and name.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+    def dtype_of(name):  # dots1 and glm4_moe keep the router in fp32 (transformers loads it so)
+        fp32 = family in SIGMOID and name.endswith(("mlp.gate.weight", "e_score_correction_bias"))
         return np.dtype("<f4") if fp32 else wanted
 
     out = Path(out)

@@ -457,17 +457,19 @@ def test_ragged_lowers_to_the_real_op_for_gpu_and_the_padded_one_for_cpu(problem
 # ------------------------------------------------------------------ through the MoE module
 
 
+def _moe(cfg):
+    """(state, the MoE layer's compiled program (state, x, mesh) -> (y, aux))."""
+    moe = MoE(D, cfg, 0.3, 0.3, nnx.Rngs(0))
+    graphdef, state = nnx.split(moe)
+    return state, jax.jit(lambda s, x, m: nnx.merge(graphdef, s)(x, layout_for(None, m)),
+                          static_argnums=2)
+
+
 def test_moe_module_ep_matches_dense():
     B, L = 8, 8
     x = jax.random.normal(jax.random.key(4), (B, L, D))
     mesh = _mesh(2, 4)
-
-    def build(cfg):
-        moe = MoE(D, cfg, 0.3, 0.3, nnx.Rngs(0))
-        graphdef, state = nnx.split(moe)
-        return state, jax.jit(lambda s, x, m: nnx.merge(graphdef, s)(x, layout_for(None, m)),
-                              static_argnums=2)
-
+    build = _moe
     ref_state, dense = build(_cfg("dense"))
     y_ref, aux_ref = dense(ref_state, x, None)
     xs = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
@@ -483,6 +485,25 @@ def test_moe_module_ep_matches_dense():
         assert _close(aux["balance_loss"], aux_ref["balance_loss"])
         assert (int(aux["dropped"]) > 0) == drops
         assert _close(y, y_ref) != drops
+
+
+def test_group_limited_routing_through_every_ep_dispatcher():
+    """Routing groups pick the experts before dispatch: with them, every expert-parallel
+    dispatcher's MoE layer equals dense's, and they moved the experts' loads."""
+    x = jax.random.normal(jax.random.key(5), (8, 8, D))
+    mesh = _mesh(2, 4)
+    xs = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
+    groups = lambda name: dataclasses.replace(_cfg(name), routing_groups=4,  # noqa: E731
+                                              groups_per_token=1)
+    state, dense = _moe(groups("dense"))
+    y_ref, aux_ref = dense(state, x, None)
+    _, ungrouped = _moe(_cfg("dense"))
+    assert not np.array_equal(ungrouped(state, x, None)[1]["counts"], aux_ref["counts"])
+    for name in ("alltoall", "allgather", "ragged"):
+        _, ep = _moe(groups(name))
+        y, aux = ep(state, xs, mesh)
+        np.testing.assert_array_equal(aux["counts"], aux_ref["counts"])
+        assert int(aux["dropped"]) == 0 and _close(y, y_ref), name
 
 
 # ------------------------------------------------------------------ through a train step

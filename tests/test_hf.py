@@ -3,6 +3,7 @@ with the same logits and export back to the same tensors; a jaxmoe model exports
 directory `transformers` loads with the same logits and greedy continuation."""
 
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -30,9 +31,15 @@ FAMILIES = {
         num_experts_per_tok=2)),
     "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(
         num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
         first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
         max_window_layers=3)),
+    # GLM-4.5's own: half of each head rotated, group-limited routing, no shared expert
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=0, num_experts_per_tok=2, n_group=4, topk_group=2,
+        first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.5,
+        use_qk_norm=True, num_nextn_predict_layers=0)),
 }
 
 
@@ -45,6 +52,8 @@ def _hf_model(family, directory):
         for name, p in model.named_parameters():
             if p.ndim == 1:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):  # routers that tell the groups apart
+                p.copy_(torch.randn_like(p))
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:
                 b.copy_(0.05 * torch.randn_like(b))
@@ -99,8 +108,15 @@ def test_refusals_are_named(tmp_path):
     with pytest.raises(HFError, match=r"moe.expert_bias \(a selection bias beside a softmax "
                                       r"router is in no family \(moe.score_func: sigmoid"):
         hf.family_for(tiny)
-    with pytest.raises(HFError, match=r"moe.shared_expert_hidden.*dots1"):
-        hf.family_for(jaxmoe.config_from_dict({"moe": {"score_func": "sigmoid"}}))
+    with pytest.raises(HFError, match=r"model.qk_norm \(dots1 and glm4_moe normalise q and k"):
+        hf.family_for(jaxmoe.config_from_dict({"model": {"qk_norm": "full"},
+                                               "moe": {"score_func": "sigmoid"}}))
+    for key, value, message in [("moe.routing_groups", 2, "group-limited routing comes with a "
+                                 "sigmoid"), ("model.rope_fraction", 0.5, "only glm4_moe")]:
+        with pytest.raises(HFError, match=f"{key} \\({message}"):
+            hf.family_for(jaxmoe.config_from_dict({}, [f"{key}={value}"]))
+    assert hf.family_for(jaxmoe.config_from_dict({"moe": {"score_func": "sigmoid"}})) == \
+        "glm4_moe"  # no shared expert: not dots1
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(HFError, match="model_type 'llama' is not one jaxmoe reads"):
         load_hf(tmp_path)
@@ -112,7 +128,10 @@ def test_refusals_are_named(tmp_path):
             ({"tie_word_embeddings": True}, r"tie_word_embeddings \(jaxmoe's LM head"),
             ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"rope_scaling"),
             ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config"),
-            ({"num_experts_per_tok": None}, r"no value for num_experts_per_tok")]:
+            ({"num_experts_per_tok": None}, r"no value for num_experts_per_tok"),
+            ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                  "partial_rotary_factor": 0.5}},
+             r"partial_rotary_factor \(mixtral rotates whole heads")]:
         (tmp_path / "m" / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(HFError, match=message):
             load_hf(tmp_path / "m")
@@ -124,13 +143,17 @@ def test_refusals_are_named(tmp_path):
         load_hf(tmp_path / "m")
 
 
-# jaxmoe settings of each family: (qk_norm, moe section)
+# jaxmoe settings of each family: (model section, moe section)
 TRAINED = {
-    "qwen3_moe": ("head", {}),
-    "olmoe": ("full", {"renormalize": False}),
-    "mixtral": ("none", {}),
-    "dots1": ("head", {"score_func": "sigmoid", "expert_bias": True, "shared_expert_hidden": 32,
-                       "gate_scale": 2.5}),
+    "qwen3_moe": ({"qk_norm": "head"}, {}),
+    "olmoe": ({"qk_norm": "full"}, {"renormalize": False}),
+    "mixtral": ({"qk_norm": "none"}, {}),
+    "dots1": ({"qk_norm": "head"}, {"score_func": "sigmoid", "expert_bias": True,
+                                    "shared_expert_hidden": 32, "gate_scale": 2.5,
+                                    "routing_groups": 2, "groups_per_token": 1}),
+    "glm4_moe": ({"qk_norm": "head", "rope_fraction": 0.5},
+                 {"score_func": "sigmoid", "expert_bias": True, "routing_groups": 2,
+                  "groups_per_token": 1}),
 }
 
 
@@ -142,11 +165,11 @@ def test_a_trained_model_exports_to_transformers_with_the_same_text(family, tmp_
     from jaxmoe.generate import generate
     from jaxmoe.train import train
 
-    qk_norm, moe = TRAINED[family]
-    dense = 1 if family in ("qwen3_moe", "dots1") else 0
+    model, moe = TRAINED[family]
+    dense = 1 if family in ("qwen3_moe", "dots1", "glm4_moe") else 0
     cfg = jaxmoe.config_from_dict({
         "model": {"d_model": 32, "num_layers": 2 + dense, "num_heads": 2, "num_kv_heads": 1,
-                  "num_dense_layers": dense, "mlp_hidden": 64, "qk_norm": qk_norm},
+                  "num_dense_layers": dense, "mlp_hidden": 64, **model},
         "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, **moe},
         "train": {"steps": 3, "batch_size": 8, "seq_len": 16, "eval_every": 0, "eval_batches": 1,
                   "run_dir": str(tmp_path / "run")},
@@ -197,3 +220,43 @@ def test_init_from_hf_starts_a_run_from_the_checkpoint(tmp_path):
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, V),
                                              torch.as_tensor(batch[:, 1:]).reshape(-1).long())
     np.testing.assert_allclose(summary["heldout_loss_initial"], float(want), rtol=1e-5)
+
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+# toy widths; the architecture (router, gates, bias, groups, QK-norm, RoPE, dense and
+# shared layers, expert count) stays the shipped config's
+TOY = ["model.vocab_size=256", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
+       "model.head_dim=16", "model.mlp_hidden=64", "model.compute_dtype=float32",
+       "model.attention_block=0", "moe.expert_hidden=16", "moe.expert_precision=compute",
+       "mesh.data=1", "mesh.expert=1", "mesh.stage=1", "pipeline.virtual_stages=1",
+       "pipeline.stage_microbatches=1", "train.batch_size=8", "train.seq_len=16",
+       "train.accumulation_steps=1", "train.loss_chunk=0", "train.dense_mlp_chunk=0",
+       "train.grad_reduce_dtype=float32"]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_shipped_config_has_a_family(path, tmp_path):
+    """Each shipped config's architecture at toy widths: a family takes it, and its
+    export loads in transformers with jaxmoe's logits (dropless)."""
+    from jaxmoe.config import load_config
+
+    shipped = load_config(path)
+    ratio = shipped.moe.shared_expert_hidden // shipped.moe.expert_hidden
+    cfg = jaxmoe.api.local_config(load_config(path, TOY + [
+        f"model.num_layers={shipped.model.num_dense_layers + 2}",
+        f"moe.shared_expert_hidden={16 * ratio}"]))
+    family = hf.family_for(cfg)
+    params = jax.tree.map(np.asarray, jaxmoe.init(cfg, jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    stack = params["moe_layers"]["moe"]["router"]
+    # routing with margins: wide enough to beat rounding, narrow enough that no sigmoid
+    # score saturates to a tie at 1.0 among 256 experts
+    stack["w"] = 0.2 * rng.normal(size=stack["w"].shape).astype(np.float32)
+    if "bias" in stack:
+        stack["bias"] = 0.1 * rng.normal(size=stack["bias"].shape).astype(np.float32)
+    save_hf(params, cfg, tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(model).__name__ == hf.FAMILIES[family]
+    tokens = rng.integers(0, 256, (2, 12))
+    got, _ = jaxmoe.apply(params, tokens, cfg)
+    np.testing.assert_allclose(np.asarray(got), _logits(model, tokens), rtol=1e-4, atol=1e-4)

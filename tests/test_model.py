@@ -86,6 +86,75 @@ def test_route_margin_is_kth_minus_next_score(k):
     assert float(jnp.min(r.margin_T[1:])) >= 0 and (k == E or float(jnp.max(r.margin_T)) > 0)
 
 
+def _groups_reference(scores, bias, groups, kept, k):
+    """Group-limited top-k for one token, written out: DeepSeek-V3's rule."""
+    choice = scores + bias
+    per = len(choice) // groups
+    group_score = [sum(sorted(choice[g * per:(g + 1) * per])[-2:]) for g in range(groups)]
+    best = sorted(range(groups), key=lambda g: -group_score[g])[:kept]
+    allowed = [e for g in best for e in range(g * per, (g + 1) * per)]
+    return set(sorted(allowed, key=lambda e: -choice[e])[:k])
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_group_limited_routing_is_deepseek_v3_s(score_func):
+    """Experts in 4 groups of 2, each token's 2 best groups, top-2 inside: the same
+    experts and gates as a written-out reference, as transformers' GLM-4.5 and
+    DeepSeek-V3 routers (fed the same logits), and not those of ungrouped top-k."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    cfg = MoEConfig(num_experts=E, top_k=K, score_func=score_func, routing_groups=4,
+                    groups_per_token=2, gate_scale=1.5, expert_bias=True)
+    _, logits, _ = _inputs(7)
+    bias = 0.3 * jax.random.normal(jax.random.key(8), (E,))
+    r = route(logits, cfg, bias)
+    scores = np.asarray(jax.nn.sigmoid(logits) if score_func == "sigmoid"
+                        else jax.nn.softmax(logits, -1), np.float64)
+    chosen = [set(np.asarray(row).tolist()) for row in r.expert_TxK]
+    assert chosen == [_groups_reference(s, np.asarray(bias), 4, 2, K) for s in scores]
+    picked = np.take_along_axis(scores, np.asarray(r.expert_TxK), -1)
+    np.testing.assert_allclose(r.gate_TxK, 1.5 * picked / picked.sum(-1, keepdims=True),
+                               rtol=1e-6)
+    ungrouped = route(logits, MoEConfig(num_experts=E, top_k=K, score_func=score_func,
+                                        expert_bias=True), bias)
+    differs = [set(np.asarray(a).tolist()) != set(np.asarray(b).tolist())
+               for a, b in zip(r.expert_TxK, ungrouped.expert_TxK)]
+    assert 0 < sum(differs) < T  # the groups change some tokens' experts, not all
+    if score_func == "softmax":
+        return  # transformers' group-limited routers score with a sigmoid
+    import importlib
+    for module, family in (("glm4_moe", "Glm4Moe"), ("deepseek_v3", "DeepseekV3")):
+        config = getattr(transformers, f"{family}Config")(
+            hidden_size=E, n_routed_experts=E, num_experts_per_tok=K, n_group=4, topk_group=2,
+            routed_scaling_factor=1.5, norm_topk_prob=True)
+        modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        router = getattr(modeling, f"{family}TopkRouter")(config)
+        with torch.no_grad():
+            router.weight.copy_(torch.eye(E))  # its logits are the input
+            router.e_score_correction_bias.copy_(torch.tensor(np.array(bias)))
+            out = router(torch.as_tensor(np.asarray(logits)))
+        weights, indices = out[-2].numpy(), out[-1].numpy()
+        order = np.argsort(indices, -1)
+        ours = np.argsort(np.asarray(r.expert_TxK), -1)
+        np.testing.assert_array_equal(np.take_along_axis(indices, order, -1),
+                                      np.take_along_axis(np.asarray(r.expert_TxK), ours, -1))
+        np.testing.assert_allclose(np.take_along_axis(weights, order, -1),
+                                   np.take_along_axis(np.asarray(r.gate_TxK), ours, -1),
+                                   rtol=1e-6)
+
+
+def test_group_limited_routing_on_every_dispatcher():
+    """The groups choose the experts before dispatch: dense and grouped agree on them
+    (the expert-parallel dispatchers: tests/test_ep_dispatch.py)."""
+    cfg = MoEConfig(num_experts=E, top_k=K, capacity_factor=E / K, routing_groups=4,
+                    groups_per_token=1)
+    x, logits, w = _inputs(9)
+    r = route(logits, cfg)
+    assert all(len({int(e) // 2 for e in row}) == 1 for row in np.asarray(r.expert_TxK))
+    np.testing.assert_allclose(grouped_dispatch(x, r, w, cfg).y_TxD,
+                               dense_dispatch(x, r, w, cfg).y_TxD, rtol=1e-5, atol=1e-5)
+
+
 def test_routing_compiles_without_a_full_sort():
     """Reading the (K+1)-th top-k score made XLA:CPU sort whole rows instead of
     running its top-k, about 20x slower at 128 experts."""

@@ -45,7 +45,9 @@ class Attention(nnx.Module):
             axis = -1 if cfg.qk_norm == "head" else (-2, -1)
             q = rms_norm(q, self.q_norm[...], cfg.norm_eps, axis)
             k = rms_norm(k, self.k_norm[...], cfg.norm_eps, axis)
-        return rope(q, positions_BxL, cfg.rope_theta), rope(k, positions_BxL, cfg.rope_theta), v
+        R = cfg.rotary_dims
+        return (rope(q, positions_BxL, cfg.rope_theta, R), rope(k, positions_BxL, cfg.rope_theta, R),
+                v)
 
     def out(self, o_BxLxHxHd: jax.Array) -> jax.Array:
         return jnp.einsum("blhk,hkd->bld", o_BxLxHxHd, self.w_o[...].astype(o_BxLxHxHd.dtype))

@@ -38,15 +38,19 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...], self.eps)
 
 
-def rope(x_BxLxHxHd: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (rotate-half layout), computed in fp32."""
-    hd = x_BxLxHxHd.shape[-1]
-    freq = theta ** (-jnp.arange(0, hd // 2, dtype=jnp.float32) * 2.0 / hd)
-    angle_BxLxHd2 = positions_BxL[..., None].astype(jnp.float32) * freq
-    sin = jnp.sin(angle_BxLxHd2)[:, :, None, :]
-    cos = jnp.cos(angle_BxLxHd2)[:, :, None, :]
-    x1, x2 = jnp.split(x_BxLxHxHd.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+def rope(x_BxLxHxHd: jax.Array, positions_BxL: jax.Array, theta: float,
+         rotary_dims: int | None = None) -> jax.Array:
+    """Rotary position embedding (rotate-half layout), computed in fp32, of a head's
+    first `rotary_dims` dimensions (all when None); the rest pass through, and the
+    frequencies span the rotated ones (as GLM-4.5's partial rotary)."""
+    R = rotary_dims or x_BxLxHxHd.shape[-1]
+    freq = theta ** (-jnp.arange(0, R // 2, dtype=jnp.float32) * 2.0 / R)
+    angle_BxLxR2 = positions_BxL[..., None].astype(jnp.float32) * freq
+    sin = jnp.sin(angle_BxLxR2)[:, :, None, :]
+    cos = jnp.cos(angle_BxLxR2)[:, :, None, :]
+    rotated, passed = jnp.split(x_BxLxHxHd.astype(jnp.float32), [R], axis=-1)
+    x1, x2 = jnp.split(rotated, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, passed], axis=-1)
     return out.astype(x_BxLxHxHd.dtype)
 
 

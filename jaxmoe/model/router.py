@@ -39,6 +39,9 @@ def route(logits_TxE: jax.Array, cfg: MoEConfig, bias_E: jax.Array | None = None
     else:
         scores_TxE = jax.nn.sigmoid(logits_TxE)
     selection_TxE = scores_TxE if bias_E is None else scores_TxE + bias_E
+    if cfg.routing_groups > 1:
+        selection_TxE = within_best_groups(selection_TxE, cfg.routing_groups,
+                                           cfg.groups_per_token)
     K, E = cfg.top_k, logits_TxE.shape[-1]
     # Reading a top-k output past its first columns (say the (K+1)-th score) makes
     # XLA:CPU sort every row in full, ~20x slower at 128 experts; the runner-up
@@ -47,7 +50,10 @@ def route(logits_TxE: jax.Array, cfg: MoEConfig, bias_E: jax.Array | None = None
     if K < E:
         chosen_TxE = jnp.any(expert_TxK[:, :, None] == jnp.arange(E), axis=1)
         runner_up_T = jnp.max(jnp.where(chosen_TxE, -jnp.inf, selection_TxE), axis=-1)
-        margin_T = jnp.min(best_TxK, axis=-1) - runner_up_T
+        # with groups, the runner-up is the best expert of the groups kept; none when
+        # they held only the K chosen
+        margin_T = jnp.where(runner_up_T > -jnp.inf, jnp.min(best_TxK, axis=-1) - runner_up_T,
+                             0.0)
     else:
         margin_T = jnp.zeros(logits_TxE.shape[:1], jnp.float32)
     gate_TxK = jnp.take_along_axis(scores_TxE, expert_TxK, axis=-1)
@@ -58,6 +64,21 @@ def route(logits_TxE: jax.Array, cfg: MoEConfig, bias_E: jax.Array | None = None
     probs_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
     return Routing(expert_TxK.astype(jnp.int32), gate_TxK, probs_TxE, logits_TxE,
                    jax.lax.stop_gradient(margin_T))
+
+
+def within_best_groups(selection_TxE: jax.Array, groups: int, kept: int) -> jax.Array:
+    """Selection scores with every expert outside a token's `kept` best groups at -inf.
+
+    Experts form `groups` contiguous groups; a group's score is the sum of its two
+    highest selection scores (bias included), DeepSeek-V3's rule, as transformers'
+    DeepseekV3TopkRouter and Glm4MoeTopkRouter take it; ties go to the lower index.
+    """
+    T, E = selection_TxE.shape
+    per_group_TxGxEg = selection_TxE.reshape(T, groups, E // groups)
+    group_score_TxG = jnp.sum(jax.lax.top_k(per_group_TxGxEg, 2)[0], axis=-1)
+    _, best_TxGk = jax.lax.top_k(group_score_TxG, kept)
+    kept_TxG = jnp.any(best_TxGk[:, :, None] == jnp.arange(groups), axis=1)
+    return jnp.where(jnp.repeat(kept_TxG, E // groups, axis=1), selection_TxE, -jnp.inf)
 
 
 def expert_counts(expert_TxK: jax.Array, num_experts: int) -> jax.Array:
