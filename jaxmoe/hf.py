@@ -40,6 +40,12 @@ FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
             "mixtral": "MixtralForCausalLM", "dots1": "Dots1ForCausalLM",
             "glm4_moe": "Glm4MoeForCausalLM"}
 SIGMOID = ("dots1", "glm4_moe")  # DeepSeek-V3's router: sigmoid, correction bias, groups
+# What transformers (5.24) takes for a key a config.json leaves out, where it is not
+# jaxmoe's own fallback
+OMITTED = {"glm4_moe": {"n_shared_experts": 1, "first_k_dense_replace": 1,
+                        "num_key_value_heads": 8, "norm_topk_prob": True, "rms_norm_eps": 1e-5},
+           "dots1": {"first_k_dense_replace": 0, "num_key_value_heads": 32,
+                     "norm_topk_prob": False}}
 INDEX = "model.safetensors.index.json"
 _DTYPES = ("F32", "BF16", "F16")  # what jaxmoe reads (as float32)
 
@@ -158,16 +164,16 @@ def config_from_hf(hf: dict) -> Config:
         raise HFError(f"config.json: model_type {family!r} is not one jaxmoe reads (families: "
                       f"{', '.join(FAMILIES)})")
     required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_experts_per_tok"]
+                "num_experts_per_tok", "intermediate_size"]
     missing = [k for k in required if not hf.get(k)]
     if missing:
         raise HFError(f"config.json ({family}): no value for {', '.join(missing)}")
-    get = hf.get
+    get = {**OMITTED.get(family, {}), **hf}.get
     rope = dict(get("rope_parameters") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     # transformers' defaults where a config leaves them out
     theta = rope.get("rope_theta") or get("rope_theta") or (1e6 if family == "mixtral" else 1e4)
-    eps = get("rms_norm_eps") or (1e-5 if family in ("olmoe", "mixtral", "glm4_moe") else 1e-6)
+    eps = get("rms_norm_eps") or (1e-5 if family in ("olmoe", "mixtral") else 1e-6)
     fraction = float(rope.get("partial_rotary_factor", get("partial_rotary_factor",
                                                            0.5 if family == "glm4_moe" else 1.0)))
     layer_types = get("layer_types") or []
@@ -194,6 +200,8 @@ def config_from_hf(hf: dict) -> Config:
          "jaxmoe's dense layers are the first ones"),
         ("partial_rotary_factor", family != "glm4_moe" and fraction != 1.0,
          f"{family} rotates whole heads"),
+        ("n_shared_experts", family == "dots1" and get("n_shared_experts") is None,
+         "dots1's config names its shared experts"),
     ]
     _raise_for(problems, f"config.json ({family}): cannot be represented in jaxmoe: ")
     heads, d = get("num_attention_heads"), get("hidden_size")
@@ -217,8 +225,7 @@ def config_from_hf(hf: dict) -> Config:
         model["qk_norm"] = "none"
     moe = {"num_experts": experts, "top_k": top_k, "expert_hidden": expert_hidden,
            "score_func": "sigmoid" if sigmoid else "softmax",
-           "renormalize": True if family == "mixtral" else
-           bool(get("norm_topk_prob", family == "glm4_moe")),
+           "renormalize": True if family == "mixtral" else bool(get("norm_topk_prob")),
            "router_jitter": float(get("router_jitter_noise") or 0.0),
            "dispatcher": "grouped", "capacity_factor": experts / top_k}
     if sigmoid:

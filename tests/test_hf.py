@@ -40,6 +40,12 @@ FAMILIES = {
         n_routed_experts=8, n_shared_experts=0, num_experts_per_tok=2, n_group=4, topk_group=2,
         first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.5,
         use_qk_norm=True, num_nextn_predict_layers=0)),
+    # and one with shared experts, whole heads rotated and no QK-norm
+    "glm4_moe-shared": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        norm_topk_prob=False, use_qk_norm=False, num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0})),
 }
 
 
@@ -70,6 +76,7 @@ def _logits(model, tokens):
 def test_imports_with_the_same_logits_and_exports_the_same_tensors(family, tmp_path):
     model = _hf_model(family, tmp_path / "hf")
     params, cfg = load_hf(tmp_path / "hf")
+    family = family.split("-")[0]
     assert hf.family_for(cfg) == family
     tokens = np.random.default_rng(0).integers(0, V, (2, 12))
     want = _logits(model, tokens)
@@ -86,7 +93,7 @@ def test_imports_with_the_same_logits_and_exports_the_same_tensors(family, tmp_p
         np.testing.assert_array_equal(back(name), original(name), err_msg=name)
     reloaded = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path / "back")
     np.testing.assert_array_equal(_logits(reloaded.eval(), tokens), want)
-    if family == "dots1":  # bfloat16 keeps the router in fp32, as transformers loads it
+    if family in hf.SIGMOID:  # bfloat16 keeps the router in fp32, as transformers loads it
         save_hf(params, cfg, tmp_path / "bf16", dtype="bfloat16")
         dtypes = {n: dtype for n, (_, dtype, _) in SafetensorsReader(tmp_path / "bf16")
                   .where.items()}
@@ -117,6 +124,19 @@ def test_refusals_are_named(tmp_path):
             hf.family_for(jaxmoe.config_from_dict({}, [f"{key}={value}"]))
     assert hf.family_for(jaxmoe.config_from_dict({"moe": {"score_func": "sigmoid"}})) == \
         "glm4_moe"  # no shared expert: not dots1
+    # a released GLM-4.5's shape: biased attention projections, a prediction layer
+    released = {"model_type": "glm4_moe", "vocab_size": 300, "hidden_size": 64,
+                "num_hidden_layers": 2, "num_attention_heads": 8, "num_experts_per_tok": 2,
+                "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 4,
+                "attention_bias": True,
+                "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 1}
+    with pytest.raises(HFError, match=r"attention_bias \(jaxmoe's projections have no bias"):
+        hf.config_from_hf(released)
+    # keys it leaves out mean what they mean to transformers: one shared expert, one
+    # dense layer, 8 KV heads, renormalised gates
+    cfg = hf.config_from_hf({**released, "attention_bias": False})
+    assert (cfg.moe.shared_expert_hidden, cfg.model.num_dense_layers, cfg.model.num_kv_heads,
+            cfg.model.rope_fraction, cfg.moe.renormalize) == (32, 1, 8, 0.5, True)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(HFError, match="model_type 'llama' is not one jaxmoe reads"):
         load_hf(tmp_path)

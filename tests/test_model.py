@@ -115,6 +115,11 @@ def test_group_limited_routing_is_deepseek_v3_s(score_func):
     picked = np.take_along_axis(scores, np.asarray(r.expert_TxK), -1)
     np.testing.assert_allclose(r.gate_TxK, 1.5 * picked / picked.sum(-1, keepdims=True),
                                rtol=1e-6)
+    assert np.all(np.isfinite(r.margin_T)) and float(np.min(r.margin_T)) >= 0
+    # one kept group of 2 holds exactly the K chosen: no runner-up, no margin (not inf)
+    one = route(logits, MoEConfig(num_experts=E, top_k=K, score_func=score_func,
+                                  routing_groups=4, groups_per_token=1), bias)
+    np.testing.assert_array_equal(one.margin_T, 0.0)
     ungrouped = route(logits, MoEConfig(num_experts=E, top_k=K, score_func=score_func,
                                         expert_bias=True), bias)
     differs = [set(np.asarray(a).tolist()) != set(np.asarray(b).tolist())
@@ -143,7 +148,7 @@ def test_group_limited_routing_is_deepseek_v3_s(score_func):
                                    rtol=1e-6)
 
 
-def test_group_limited_routing_on_every_dispatcher():
+def test_group_limited_routing_through_dense_and_grouped():
     """The groups choose the experts before dispatch: dense and grouped agree on them
     (the expert-parallel dispatchers: tests/test_ep_dispatch.py)."""
     cfg = MoEConfig(num_experts=E, top_k=K, capacity_factor=E / K, routing_groups=4,
