@@ -114,7 +114,6 @@ class Tokenizer:
         for f in self._files:
             shutil.copyfile(f, directory / f.name)
 
-
     def save_hf(self, directory: str | Path) -> None:
         """tokenizer.json and tokenizer_config.json for `transformers`' AutoTokenizer,
         mapping text to the ids this tokenizer gives: a byte-level one as a BPE model
@@ -130,8 +129,7 @@ class Tokenizer:
         if self.is_bytes:
             _byte_level_hf().save(str(directory / TOKENIZER_FILE))
         else:
-            for f in self._files:
-                shutil.copyfile(f, directory / f.name)
+            self.save(directory)
             if self.add_bos and self.bos_id is not None and \
                     self._hf.encode("a").ids[:1] != [self.bos_id]:
                 # the config asks for a BOS its tokenizer.json does not add: add it there,

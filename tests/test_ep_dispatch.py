@@ -469,13 +469,12 @@ def test_moe_module_ep_matches_dense():
     B, L = 8, 8
     x = jax.random.normal(jax.random.key(4), (B, L, D))
     mesh = _mesh(2, 4)
-    build = _moe
-    ref_state, dense = build(_cfg("dense"))
+    ref_state, dense = _moe(_cfg("dense"))
     y_ref, aux_ref = dense(ref_state, x, None)
     xs = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
     for name, factor, drops in [("alltoall", E / K, False), ("alltoall", 0.5, True),
                                 ("ragged", E / K, False), ("ragged", 0.5, True)]:
-        state, ep = build(_cfg(name, factor))
+        state, ep = _moe(_cfg(name, factor))
         assert all(np.array_equal(a, b) for a, b in
                    zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)))
         y, aux = ep(state, xs, mesh)

@@ -70,12 +70,23 @@ def _in_chunks(per_position, x_BxLxD, chunk: int):
     """per_position(x) for a function of each position alone, `chunk` positions at a
     time, each chunk recomputed in the backward pass (at once when chunk is 0 or
     does not cut L, as in decoding)."""
-    B, L, D = x_BxLxD.shape
+    L = x_BxLxD.shape[1]
     if not chunk or chunk >= L or L % chunk:
         return per_position(x_BxLxD)
-    chunks_NxBxLcxD = x_BxLxD.reshape(B, L // chunk, chunk, D).swapaxes(0, 1)
-    y = jax.lax.map(jax.checkpoint(per_position, prevent_cse=False), chunks_NxBxLcxD)
-    return y.swapaxes(0, 1).reshape(B, L, y.shape[-1])
+    return _joined(jax.lax.map(jax.checkpoint(per_position, prevent_cse=False),
+                               _chunks(x_BxLxD, chunk)))
+
+
+def _chunks(a_BxLx, chunk: int) -> jax.Array:
+    """[B, L, ...] as [L / chunk, B, chunk, ...]: chunks of positions to map over."""
+    B, L = a_BxLx.shape[:2]
+    return a_BxLx.reshape(B, L // chunk, chunk, *a_BxLx.shape[2:]).swapaxes(0, 1)
+
+
+def _joined(a_NxBxLcx) -> jax.Array:
+    """`_chunks` undone: [N, B, chunk, ...] as [B, N * chunk, ...]."""
+    N, B, Lc = a_NxBxLcx.shape[:3]
+    return a_NxBxLcx.swapaxes(0, 1).reshape(B, N * Lc, *a_NxBxLcx.shape[3:])
 
 
 def _constrain(x, layout):
@@ -227,21 +238,19 @@ class Transformer(nnx.Module):
                                           axis=-1)[..., 0]
             return logprob, jnp.argmax(logits, axis=-1) == targets_BxLb
 
-        B, L, D = x_BxLxD.shape
+        L = x_BxLxD.shape[1]
         if not chunk or chunk >= L or L % chunk:
             return score(x_BxLxD, targets_BxL)
-        n = L // chunk
-        xs = (x_BxLxD.reshape(B, n, chunk, D).swapaxes(0, 1),
-              targets_BxL.reshape(B, n, chunk).swapaxes(0, 1))
-        logprob_NxBxLb, greedy_NxBxLb = jax.lax.map(lambda xs: score(*xs), xs)
-        return tuple(a.swapaxes(0, 1).reshape(B, L) for a in (logprob_NxBxLb, greedy_NxBxLb))
+        scores = jax.lax.map(lambda xs: score(*xs),
+                             (_chunks(x_BxLxD, chunk), _chunks(targets_BxL, chunk)))
+        return tuple(_joined(a_NxBxLb) for a_NxBxLb in scores)
 
     def cross_entropy(self, x_BxLxD: jax.Array, targets_BxL: jax.Array, layout=None,
                       chunk: int = 0) -> jax.Array:
         """Mean next-token cross-entropy from `hidden`'s output. chunk > 0: the head
         runs `chunk` positions at a time, recomputed in the backward pass, so only
         [B, chunk, V] logits exist at once."""
-        B, L, D = x_BxLxD.shape
+        B, L, _ = x_BxLxD.shape
         if not chunk or chunk >= L:
             logits = self.logits(x_BxLxD, layout)
             return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxL).mean()
@@ -253,9 +262,7 @@ class Transformer(nnx.Module):
             return total + optax.softmax_cross_entropy_with_integer_labels(
                 logits, targets_BxLb).sum(), None
 
-        n = L // chunk
-        xs = (x_BxLxD.reshape(B, n, chunk, D).swapaxes(0, 1),
-              targets_BxL.reshape(B, n, chunk).swapaxes(0, 1))
+        xs = (_chunks(x_BxLxD, chunk), _chunks(targets_BxL, chunk))
         # a zero that varies over the same mesh axes as x (inside the ddp step)
         zero = jnp.zeros_like(x_BxLxD[0, 0, 0], dtype=jnp.float32)
         total, _ = jax.lax.scan(chunk_ce, zero, xs)
