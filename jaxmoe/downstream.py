@@ -6,18 +6,19 @@ before anything compiles: an unknown or malformed task, or one that generates
 text, stops the run there, naming it. Every `train.evals.every` steps (by default
 with the held-out loss), and at the start and the end, each task's first
 `train.evals.limit` examples are scored on the parameters as they are, with no
-checkpoint written or read: rows of the training batch's shape through the
-training program's dropless forward (`Steps.score_step`), one compiled program
-for all tasks. The metrics are lm-eval's own (its per-example results and
-aggregation): `downstream/<task>/<metric>` (acc, acc_norm, ..., and their
-standard errors) in metrics.jsonl and the sinks.
+checkpoint written or read, through the training program's dropless forward
+(`Steps.score_step`), one compiled shape for all tasks: rows of the shortest
+length that holds their longest request, as many as keep the dropless expert
+buffers the size of a training step's (`scoring_rows`). The metrics are lm-eval's
+own (its per-example results and aggregation): `downstream/<task>/<metric>` (acc,
+acc_norm, ..., and their standard errors) in metrics.jsonl and the sinks.
 """
 
 from __future__ import annotations
 
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.eval import (EvalError, JaxmoeLM, Scorer, import_lm_eval, load_tasks, quiet,
-                         set_fewshot)
+                         request_row, row_lengths, set_fewshot)
 from jaxmoe.tokenizer import Tokenizer
 
 PREFIX = "downstream"
@@ -46,24 +47,44 @@ class Downstream:
         self.num_fewshot, self.seed = evals.num_fewshot, cfg.train.seed
         self.every = evals.every or cfg.train.eval_every
         self.limit = evals.limit or None
-        # one compiled shape for every task: the training batch's
-        self.lm = JaxmoeLM(Scorer(steps, None, None, [cfg.train.seq_len]), tokenizer,
-                           progress=False)
-        self._check_lengths(cfg.train.seq_len)
+        self.lm = JaxmoeLM(None, tokenizer, progress=False)
+        # one compiled shape for every task: the shortest row length that holds their
+        # longest request, as many rows as keep the dropless buffers a training step's size
+        longest, requests = self._rows(cfg.train.seq_len)
+        L = next(n for n in row_lengths(cfg.train.seq_len, cfg.model.attention_block)
+                 if n >= longest)
+        self.lm.scorer = Scorer(steps, None, None, [L], scoring_rows(cfg, steps.mesh, L, requests))
 
-    def _check_lengths(self, seq_len: int) -> None:
-        """A continuation must be of 1 to seq_len tokens (a context is cut to fit)."""
+    def _rows(self, seq_len: int) -> tuple[int, int]:
+        """(positions the longest request's row takes, how many requests): a continuation
+        must be of 1 to seq_len tokens (a context is cut to fit); a rolling
+        log-likelihood takes windows of seq_len."""
         set_fewshot(self.tasks, self.num_fewshot, self.seed)
+        longest, count = 1, 0
         for name, task in self.tasks["tasks"].items():
             with quiet():
                 task.build_all_requests(limit=self.limit, rank=0, world_size=1)
-            pairs = [i.args for i in task.instances if i.request_type == "loglikelihood"]
-            lengths = [len(self.lm.tok_encode(cont)) if not ctx else
-                       len(self.lm._encode_pair(ctx, cont)[1]) for ctx, cont in pairs]
+            count += len(task.instances)
+            if any(i.request_type == "loglikelihood_rolling" for i in task.instances):
+                longest = seq_len
+            pairs = [self._encoded(*i.args) for i in task.instances
+                     if i.request_type == "loglikelihood"]
+            lengths = [len(cont) for _, cont in pairs]
             if lengths and not 1 <= min(lengths) <= max(lengths) <= seq_len:
                 raise ConfigError(f"train.evals.tasks: {name} asks for continuations of "
                                   f"{min(lengths)} to {max(lengths)} tokens; a row of "
                                   f"train.seq_len={seq_len} holds 1 to {seq_len}")
+            # a context of only whitespace gives no ids: the prefix token, as in JaxmoeLM
+            longest = max([longest] + [len(request_row(ctx or [self.lm.prefix_token_id], cont,
+                                                       seq_len)[0]) - 1 for ctx, cont in pairs])
+        return longest, count
+
+    def _encoded(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """A request's (context, continuation) ids, as `JaxmoeLM.loglikelihood` makes them."""
+        if context:
+            return self.lm._encode_pair(context, continuation)
+        return [self.lm.prefix_token_id], self.lm.tok_encode(continuation,
+                                                             add_special_tokens=False)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -78,6 +99,20 @@ class Downstream:
                 self.lm, self.tasks, limit=self.limit, bootstrap_iters=STDERR_DRAWS,
                 log_samples=False)
         return flatten(results)
+
+
+def scoring_rows(cfg: Config, mesh, length: int, requests: int) -> int:
+    """Rows of `length` per scoring call: a whole number per row shard, no more than
+    the requests fill, and at most one training forward's tokens times K x capacity
+    factor / E: a dropless expert buffer holds every token, that many times a
+    training one, so the scoring program stays within the training step's memory."""
+    t, moe = cfg.train, cfg.moe
+    shards = mesh.shape["data"] * mesh.shape["expert"] * cfg.pipeline.stage_microbatches
+    tokens = t.batch_size // t.accumulation_steps * t.seq_len
+    if cfg.num_moe_layers:
+        tokens *= min(1.0, moe.capacity_factor * moe.top_k / moe.num_experts)
+    per_shard = min(int(tokens // (length * shards)), -(-requests // shards))
+    return max(1, per_shard) * shards
 
 
 def flatten(results: dict) -> dict[str, float]:

@@ -183,13 +183,14 @@ def pack(rows, batch: int, L: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
 
 class Scorer:
     """A `Steps`' dropless `score_step` on the parameters and buffers given (a
-    checkpoint's, or the training state's as it is now), for rows of
-    `steps.cfg.train.batch_size` x one of `lengths` (default: `row_lengths` of the
-    config's seq_len)."""
+    checkpoint's, or the training state's as it is now), for `batch` rows (default:
+    `steps.cfg.train.batch_size`; a whole number per row shard) x one of `lengths`
+    (default: `row_lengths` of the config's seq_len)."""
 
-    def __init__(self, steps, params, buffers, lengths: list[int] | None = None):
+    def __init__(self, steps, params, buffers, lengths: list[int] | None = None,
+                 batch: int | None = None):
         self.steps, self.params, self.buffers = steps, params, buffers
-        self.batch = steps.cfg.train.batch_size
+        self.batch = batch or steps.cfg.train.batch_size
         self.lengths = lengths or row_lengths(steps.cfg.train.seq_len,
                                               steps.cfg.model.attention_block)
 

@@ -312,3 +312,31 @@ def test_shipped_gpu_configs_compile_for_an_h100(name):
     # one expert per device holds 1.25 x 8 ranks x 64 tokens x 4 / 8 = 320 rows for
     # its 256 copies
     assert _expert_ratio(program, cfg) == pytest.approx(cfg.moe.capacity_factor, rel=1e-6)
+
+
+def test_in_loop_scoring_stays_within_the_train_steps_memory():
+    """train.evals on the 47B config for 8 B300s: the dropless scoring program at the
+    rows `Downstream` picks plans less memory per device than the train step; at the
+    training batch's shape, every expert buffer holding every token, it plans more."""
+    from jaxmoe.downstream import Downstream
+    from jaxmoe.plan import peak_bytes
+    from jaxmoe.tokenizer import BYTE_TOKENIZER
+
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "olmoe_8layer_e128.yaml",
+                      ["mesh.data=1", "mesh.expert=8", "train.evals.tasks=[stdlib_word_order]",
+                       "train.evals.limit=64"])
+    compiled, steps, abstract = compile_train_step(cfg, "b300")
+
+    def scoring_peak(B, L):
+        rows = lambda dtype, n: jax.ShapeDtypeStruct((B, n), dtype,  # noqa: E731
+                                                     sharding=steps.batch_sharding)
+        lowered = steps.score_step.trace(abstract.params, abstract.buffers,
+                                         rows(jnp.int32, L + 1), rows(jnp.bool_, L)).lower()
+        return peak_bytes(compile_deviceless(lowered).memory_analysis())
+
+    scorer = Downstream(cfg, steps, BYTE_TOKENIZER).lm.scorer
+    (L,) = scorer.lengths
+    assert L < cfg.train.seq_len and scorer.batch % 8 == 0
+    train = peak_bytes(compiled.memory_analysis())
+    assert scoring_peak(scorer.batch, L) < train < scoring_peak(cfg.train.batch_size,
+                                                                cfg.train.seq_len)
