@@ -97,6 +97,9 @@ check train 120
 check overlap 150
 # 7. the train check's step compiled here against XLA:GPU's deviceless plan (reported)
 check compile_memory 90
+# 8. the roofline's predicted step beside the measured one (reported), and the lowering
+#    it assumes: exchanges asynchronous, MXFP8 weights quantised once per step (judged)
+check roofline 90
 
 if [ "$smoke" = 1 ]; then
   moe_shape=(--tokens 256 --d-model 64 --expert-hidden 64 --repeats 1)

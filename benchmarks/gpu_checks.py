@@ -507,15 +507,10 @@ def check_compile_memory(toy: bool) -> Result:
     if on_cpu():
         return Result("compile_memory", "SKIPPED", note="no GPU to compare the deviceless "
                       "compile with")
-    import re
-
     from jaxmoe.plan import compile_train_step, peak_bytes
-    from jaxmoe.targets import TARGETS
 
     kind = jax.devices()[0].device_kind
-    # the model's name as a word: a GH200 is no H200 (an H100 PCIe gets the SXM spec)
-    names = [n for n, t in TARGETS.items()
-             if re.search(rf"\b{t.device_kind.split()[1]}\b", kind)]
+    names = target_names(kind)
     if not names:
         return Result("compile_memory", "SKIPPED", note=f"no spec for a {kind}")
     cfg = train_config(toy, 2)
@@ -539,6 +534,73 @@ def check_compile_memory(toy: bool) -> Result:
                   f"{deviceless / 1e9:.2f} GB deviceless for {names[0]}")
 
 
+def target_names(kind: str) -> list[str]:
+    """The planner's targets (`jaxmoe.targets`) of a device kind: the model's name as a
+    word (a GH200 is no H200; an H100 PCIe gets the SXM spec)."""
+    import re
+
+    from jaxmoe.targets import TARGETS
+    return [n for n, t in TARGETS.items() if re.search(rf"\b{t.device_kind.split()[1]}\b", kind)]
+
+
+def check_roofline(toy: bool) -> Result:
+    """The roofline's predicted step (`jaxmoe.roofline`, from the program compiled here)
+    beside the measured one, for the train check's model on this machine's GPUs:
+    figure measured / predicted, reported (the roofline assumes every kernel at its
+    peak, so a real step is slower by the kernels' efficiency). Judged: the lowering
+    the roofline relies on: with several GPUs every exchange of token rows is
+    asynchronous; the same model with MXFP8 experts quantises each expert weight
+    once per step (its working copy's quantisations run once, outside every loop)."""
+    if on_cpu():
+        return Result("roofline", "SKIPPED", note="no datasheet for a CPU")
+    from jaxmoe.config import flops_per_token
+    from jaxmoe.hlo import Program
+    from jaxmoe.plan import compile_train_step
+    from jaxmoe.roofline import Link, quantisations, roofline, row_exchanges, summary
+    from jaxmoe.step import build_steps
+    from jaxmoe.targets import TARGETS
+
+    kind = jax.devices()[0].device_kind
+    names = target_names(kind)
+    if not names:
+        return Result("roofline", "SKIPPED", note=f"no spec for a {kind}")
+    cfg, timed = train_config(toy, 2), 10
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    batch = jax.device_put(np.random.default_rng(0).integers(
+        0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1), dtype=np.int32),
+        steps.batch_sharding)
+    state = steps.init(jax.random.PRNGKey(0))
+    program = Program(steps.train_step.lower(state, batch).compile().as_text())
+    for _ in range(2):  # compile and warm up
+        state, metrics = steps.train_step(state, batch)
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for _ in range(timed):
+        state, metrics = steps.train_step(state, batch)
+    jax.block_until_ready(metrics)
+    measured = (time.perf_counter() - start) / timed
+    n, link = jax.device_count(), Link.of(TARGETS[names[0]])
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    predicted = summary(roofline(program, link), flops_per_token(cfg) * tokens / n, tokens / n,
+                        link)
+    problems = [f"synchronous exchange {name}" for name, asynchronous, _ in
+                row_exchanges(program, roofline(program, link)) if not asynchronous]
+    mx = override_config(cfg, ["moe.expert_precision=mxfp8"])
+    weights = [q for q in quantisations(Program(compile_train_step(mx)[0].as_text()))
+               if "working_copy" in q[2]]
+    if not weights or any(runs != 1 or in_loop for runs, in_loop, *_ in weights):
+        problems.append("MXFP8 weights not quantised once per step")
+    if perturbed("roofline"):
+        problems.append("perturbed")
+    ratio, tflops = measured / predicted["step_s"], predicted["model_tflops_per_device"]
+    return Result("roofline", "FAIL" if problems else "PASS", f"{ratio:.2f}",
+                  "reported; lowering judged",
+                  f"step measured {measured * 1e3:.1f} ms, predicted "
+                  f"{predicted['step_s'] * 1e3:.1f} ms on {names[0]} figures "
+                  f"({tflops:.0f} model TFLOP/s per GPU predicted, {tflops / ratio:.0f} "
+                  f"measured; {n} GPU(s))" + (": " + "; ".join(problems) if problems else ""))
+
+
 # ---------------------------------------------------------------- main
 
 CHECKS: dict[str, Callable[[bool], Result]] = {
@@ -549,6 +611,7 @@ CHECKS: dict[str, Callable[[bool], Result]] = {
     "train": check_train,
     "overlap": check_overlap,
     "compile_memory": check_compile_memory,
+    "roofline": check_roofline,
 }
 
 

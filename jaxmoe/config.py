@@ -201,6 +201,12 @@ class TrainConfig:
     # gradient, each addition of the sum rounded to bf16 (norms and the router
     # reduce in fp32 either way)
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    # dtype the matrices' gradients are summed in over `accumulation_steps` slices:
+    # bfloat16 holds the sum in half the memory (a parameter-size buffer of the
+    # many-expert configs), each of its additions rounded to bf16; the slices'
+    # gradients are bf16 already wherever the compute dtype is (norms and the
+    # router sum in fp32 either way)
+    grad_accum_dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0
     eval_every: int = 100  # 0: only at the end
     eval_batches: int = 8  # held-out batches (of each source, with a mixture)

@@ -38,6 +38,19 @@ class Instruction:
     operands: tuple[str, ...]
     attrs: str  # everything after the operand list
     op_name: str  # the JAX name stack of the op that produced it ("" if none)
+    number: int = -1  # a parameter's position in its computation's arguments
+
+    @property
+    def trip_count(self) -> int | None:
+        """A `while` loop's trip count, where XLA knows it."""
+        m = re.search(r'known_trip_count":\{"n":"(\d+)"', self.attrs)
+        return int(m.group(1)) if m else None
+
+    @property
+    def callee(self) -> str:
+        """The computation a fusion or call runs ("" for other ops)."""
+        m = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", self.attrs)
+        return m.group(1) if m else ""
 
     @property
     def target(self) -> str:
@@ -94,6 +107,7 @@ class Program:
         self.entry = None
         self.loops_without_trip_count: list[str] = []  # counted as one trip each
         current = None
+        self._roots: dict[str, Instruction] = {}
         for line in text.splitlines():
             m = _COMPUTATION.match(line)
             if m and not line.startswith(" "):
@@ -107,16 +121,19 @@ class Program:
             name, type_text, op, rest = m.groups()
             operands, attrs = _split_operands(rest)
             op_name = re.search(r'op_name="([^"]*)"', attrs)
+            number = re.match(r"\s*(\d+)", rest) if op == "parameter" else None
             inst = Instruction(name, current, type_text, op, operands, attrs,
-                               op_name.group(1) if op_name else "")
+                               op_name.group(1) if op_name else "",
+                               int(number.group(1)) if number else -1)
             self.computations[current].append(inst)
             self.by_name[name] = inst
+            if line.lstrip().startswith("ROOT"):
+                self._roots[current] = inst
             if op == "while":
-                trips = re.search(r'known_trip_count":\{"n":"(\d+)"', attrs)
+                trips = inst.trip_count
                 body = re.search(r"body=%([\w.\-]+)", attrs)
                 if body:
-                    self.calls[current].append((int(trips.group(1)) if trips else 1, True,
-                                                body.group(1)))
+                    self.calls[current].append((trips or 1, True, body.group(1)))
                 if not trips:
                     self.loops_without_trip_count.append(name)
             for callee in _CALLEES.findall(attrs):
@@ -125,6 +142,24 @@ class Program:
             if branches:
                 for callee in re.findall(r"%([\w.\-]+)", branches.group(1)):
                     self.calls[current].append((1, False, callee))
+
+    @cached_property
+    def users(self) -> dict[str, list[Instruction]]:
+        """Each instruction's users (within its computation), in program order."""
+        out = defaultdict(list)
+        for comp in self.computations.values():
+            for inst in comp:
+                for o in dict.fromkeys(inst.operands):
+                    out[o].append(inst)
+        return out
+
+    def parameters(self, computation: str) -> dict[int, Instruction]:
+        """A computation's parameters by position."""
+        return {i.number: i for i in self.computations[computation] if i.op == "parameter"}
+
+    def root(self, computation: str) -> Instruction:
+        """A computation's result (its last instruction, as XLA prints it)."""
+        return self._roots.get(computation) or self.computations[computation][-1]
 
     def type_of(self, name: str) -> str:
         inst = self.by_name.get(name)

@@ -11,6 +11,7 @@ that JAX itself checks on the tracing host (`cudnn_head_max`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,6 +56,24 @@ class Kernels:
         """A block-scaled MXFP8 GEMM in hardware (cuDNN's, on Blackwell: compute
         capability 10+); elsewhere `jaxmoe.ops.mx` emulates it exactly."""
         return self.cuda and self.compute_capability >= (10, 0)
+
+    @property
+    def compiler_options(self) -> dict[str, bool | int]:
+        """XLA options for a program compiled for these devices. On NVIDIA GPUs: XLA's
+        latency-hiding scheduler, off by default in this XLA, without which a collective
+        whose inputs are made right before it and whose result is used right after runs
+        synchronously (the expert exchanges of every MoE layer); and up to 3 collectives
+        in flight where XLA allows 1, counting those inside a loop body, without which
+        nothing overlaps a pipeline iteration's exchanges, not even the ZeRO-1 gathers and
+        reduce-scatters placed in it (benchmarks/RESULTS.md, "The GPU program's
+        roofline": 3 beat 2 and 4 on the 1.2T config)."""
+        if not self.cuda:
+            return {}
+        # an option the process's XLA_FLAGS name is theirs (benchmarks/gpu.sh turns it off)
+        flags = os.environ.get("XLA_FLAGS", "")
+        chosen = {"xla_gpu_enable_latency_hiding_scheduler": True,
+                  "xla_gpu_experimental_parallel_collective_overlap_limit": 3}
+        return {k: v for k, v in chosen.items() if f"--{k}=" not in flags}
 
     @property
     def native_ragged_exchange(self) -> bool:

@@ -164,6 +164,7 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     from jaxmoe.parallel.collectives import collectives, totals
     from jaxmoe.parallel.pipeline import bubble_fraction
     from jaxmoe.program_flops import program_flops
+    from jaxmoe.roofline import Link, roofline, summary
     from jaxmoe.step import uses_per_device_step
 
     cfg = load_config(config_path, overrides)
@@ -203,6 +204,12 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     kernels = step_kernels(mesh, cfg)
     bound = throughput_bound(cfg, model_flops, flops.by_scope, moved, across, datasheet,
                              kernels["native_mxfp8"])
+    roof = None
+    if target != "cpu":  # XLA:CPU's program is not the one a GPU would run
+        host = [d.process_index for d in mesh.devices.flat]
+        link = Link.of(datasheet)
+        roof = summary(roofline(program, link, host if len(set(host)) > 1 else None),
+                       model_flops, tokens / n, link)
     compute_s = model_flops / (datasheet.peak("bf16") * mfu)
     comm_s = bound["scale_up_s"] + bound["scale_out_s"]  # the links one after the other
     return {
@@ -237,6 +244,7 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
                       "model_tflops_per_device": [model_flops / (compute_s + comm_s) / 1e12,
                                                   model_flops / max(compute_s, comm_s) / 1e12]},
         "bound": bound,
+        "roofline": roof,
         "fits": peak <= datasheet.memory, "device_memory": datasheet.memory,
         # JAX preallocates 75% of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says more
         "memory_fraction_needed": peak / datasheet.memory,
@@ -317,6 +325,8 @@ def print_plan(p: dict) -> None:
     print(f"    from: matrix products {b['compute_s_at_peak']:.2f} s at peak ({fp8}"
           f"{b['bf16_flops']:.2e} at {b['bf16_peak'] / 1e12:,.0f} bf16 TFLOP/s), NVLink "
           f"{b['scale_up_s']:.2f} s, network {b['scale_out_s']:.2f} s per step")
+    if p["roofline"]:
+        print_roofline(p["roofline"], reference)
     for a in p["assumptions"]:
         print(f"  assumes: {a}")
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
@@ -326,6 +336,32 @@ def print_plan(p: dict) -> None:
         fraction = math.ceil(p["memory_fraction_needed"] * 100) / 100
         print(f"  JAX preallocates 75% of a GPU by default: run with "
               f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} or more")
+
+
+def print_roofline(r: dict, reference: str = "", top: int = 6) -> None:
+    """The roofline's prediction (`jaxmoe.roofline`), its parts, and where the time goes
+    beyond the matrix products."""
+    print(f"  roofline of the compiled program (a prediction, not a measurement): step "
+          f"{r['step_s']:.3f} s, {r['tokens_per_s_per_device']:,.0f} tokens/s per device, "
+          f"{r['model_tflops_per_device']:,.0f} model TFLOP/s per device, MFU {r['mfu']:.1%}"
+          f"{reference}")
+    print(f"    kernels: matrix products {r['gemm_s']:.3f} s, memory-bound "
+          f"{r['memory_bound_s']:.3f} s ({r['memory_bound_bytes']:.3g} bytes); collectives "
+          f"{r['collective_s']:.3f} s, of "
+          f"them {r['exposed_collective_s']:.3f} s exposed ({r['synchronous_collectives']} "
+          "synchronous ops)")
+    for title, rows, key in (("memory-bound kernels", r["memory_bound_by_scope"], "seconds"),
+                             ("exposed collectives", r["exposed_by_scope"], "exposed_s")):
+        shown = [(k, v) for k, v in list(rows.items())[:top] if v[key] > 0]
+        if shown:
+            print(f"    {title} by scope/pass: " + ", ".join(
+                f"{k} {v[key]:.3f} s" + (f" ({v['bytes']:.2g} B)" if "bytes" in v else "")
+                for k, v in shown))
+    print("    assumes: each kernel at max(FLOPs / peak, bytes / HBM bandwidth) at the "
+          "datasheet's peaks (fp8 operands at the fp8 peak, fp32 at half the bf16); each "
+          "collective at its link's bandwidth plus a fixed latency, one at a time, async ones "
+          "beside the kernels the schedule put in their window; cannot know: kernels below "
+          "peak (tiles, launch overhead), caches, contention between kernels and collectives")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,11 @@ from jaxmoe.hlo import Instruction, Program, arrays
 
 # in priority order: a GEMM under dispatch/expert_gemms counts as expert_gemms
 SCOPES = ("expert_gemms", "router", "shared_expert", "dense_mlp", "attention", "lm_head",
-          "dispatch", "optimizer")
+          "dispatch", "optimizer", "embed",
+          # the step's own work around the model: the working copy (casts, ZeRO-1 gathers,
+          # MXFP8 weight copies), gradient sums over micro-batches and their reduction,
+          # and the layer and pipeline loops' slicing and stacking of weights
+          "working_copy", "accumulate", "reduce", "layers", "pipeline")
 PASSES = ("forward", "backward", "recompute")
 _GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 _BLOCK_SCALED = ("__cudnn$blockScaledDot", "__op$block_scaled_dot")
@@ -123,6 +127,22 @@ def _attention_flops(inst: Instruction) -> float:
     return flops * (2.5 if "Backward" in inst.target else 1.0)
 
 
+def product_flops(inst: Instruction, program: Program) -> float | None:
+    """The FLOPs of one matrix product (a `dot`, a GEMM custom call, cuDNN's block-scaled
+    GEMM or fused attention); None for any other instruction."""
+    if inst.op == "dot":
+        return _dot_flops(inst, program)
+    if inst.op != "custom-call":
+        return None
+    if inst.target in _GEMM_CALLS:
+        return _gemm_call_flops(inst, program)
+    if inst.target in _BLOCK_SCALED:
+        return _block_scaled_flops(inst, program)
+    if _ATTENTION.match(inst.target):
+        return _attention_flops(inst)
+    return None
+
+
 def program_flops(program: Program | str) -> ProgramFlops:
     """Matrix-product FLOPs per step of `program` (one device's), by scope and pass."""
     program = program if isinstance(program, Program) else Program(program)
@@ -130,24 +150,13 @@ def program_flops(program: Program | str) -> ProgramFlops:
     kernels: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     unknown: dict[str, int] = defaultdict(int)
     for inst, runs, _ in program.instructions():
-        target = "dot"
-        if inst.op == "dot":
-            flops = _dot_flops(inst, program)
-        elif inst.op == "custom-call":
-            target = inst.target
-            if target in _GEMM_CALLS:
-                flops = _gemm_call_flops(inst, program)
-            elif target in _BLOCK_SCALED:
-                flops = _block_scaled_flops(inst, program)
-            elif _ATTENTION.match(target):
-                flops = _attention_flops(inst)
-            else:
-                unknown[target] += runs
-                continue
-        else:
+        flops = product_flops(inst, program)
+        if flops is None:
+            if inst.op == "custom-call":
+                unknown[inst.target] += runs
             continue
         scope = scope_of(inst.op_name)
         by_scope[scope][pass_of(inst.op_name)] += flops * runs
-        kernels[scope][target] += runs
+        kernels[scope][inst.target or "dot"] += runs
     return ProgramFlops({s: dict(p) for s, p in by_scope.items()},
                         {s: dict(k) for s, k in kernels.items()}, dict(unknown))

@@ -22,8 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxmoe import sharding
 from jaxmoe.config import Config, ConfigError, dropless
 from jaxmoe.load_metrics import load_metrics
+from jaxmoe.model.experts import mx_copies, with_mx_copies
 from jaxmoe.model.moe import MEAN_STATS
-from jaxmoe.model.transformer import Transformer
+from jaxmoe.model.transformer import Transformer, in_moe_stack
 from jaxmoe.optim import (learning_rate_schedule, make_optimizer, param_names,
                           unmatched_patterns, updates_are_elementwise)
 from jaxmoe.parallel import ddp
@@ -97,13 +98,14 @@ def state_shardings(cfg: Config, layout: GlobalLayout, tx: optax.GradientTransfo
 
 
 def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout) -> Callable:
-    """`loss_fn(working, buffers, tokens_BxL1, key) -> (loss, (ce, aux))`: the mean
-    next-token loss of the rows given, plus the router losses, of the working copy
-    of the parameters (the one the model computes with)."""
+    """`loss_fn(working, buffers, tokens_BxL1, key, copies) -> (loss, (ce, aux))`: the
+    mean next-token loss of the rows given, plus the router losses, of the working
+    copy of the parameters (the one the model computes with); `copies`: its expert
+    weights' MXFP8 copies (`mx_copies`; {} without MXFP8 experts)."""
     has_moe, moe = cfg.num_moe_layers > 0, cfg.moe
 
-    def loss_fn(working, buffers, tokens_BxL1, key):
-        model = nnx.merge(graphdef, working, buffers)
+    def loss_fn(working, buffers, tokens_BxL1, key, copies):
+        model = nnx.merge(graphdef, with_mx_copies(working, copies), buffers)
         x, aux = model.hidden(tokens_BxL1[:, :-1], layout=layout, key=key, remat=cfg.train.remat)
         ce = model.cross_entropy(x, tokens_BxL1[:, 1:], layout, cfg.train.loss_chunk)
         ce = ce if layout is None else layout.output_share(ce)
@@ -137,29 +139,37 @@ def make_score_fn(cfg: Config, graphdef: nnx.GraphDef, layout) -> Callable:
 
 def accumulate_gradients(loss_fn: Callable, cfg: Config, params, buffers, batch_BxL1: jax.Array,
                          step_key: jax.Array):
-    """Sums over the `train.accumulation_steps` slices of `batch_BxL1`: fp32
-    gradients w.r.t. `params`, loss, ce and router stats (divide by the count)."""
+    """Sums over the `train.accumulation_steps` slices of `batch_BxL1`: gradients
+    w.r.t. `params` (matrices in `train.grad_accum_dtype`, the rest fp32), loss, ce
+    and router stats (divide by the count)."""
     A = cfg.train.accumulation_steps
     B, L1 = batch_BxL1.shape
     # Strided split keeps each device's rows on that device in every slice.
     slices_AxBxL1 = batch_BxL1.reshape(B // A, A, L1).swapaxes(0, 1)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    with jax.named_scope("working_copy"):
+        copies = mx_copies(params, cfg.moe)  # once per step, for every slice and pass
+    dtype = cfg.train.grad_accum_dtype if A > 1 else "float32"
 
     def one_slice(i, tokens):
         key = jax.random.fold_in(step_key, i) if cfg.moe.router_jitter > 0 else None
-        (loss, (ce, aux)), grads = grad_fn(params, buffers, tokens, key)
-        return jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss, ce, aux
+        (loss, (ce, aux)), grads = grad_fn(params, buffers, tokens, key, copies)
+        grads = _cast_matrices(jax.tree.map(lambda g: g.astype(jnp.float32), grads), dtype)
+        return grads, loss, ce, aux
 
     if A == 1:  # no accumulation loop: no zeroed gradient tree to add into
         return one_slice(0, slices_AxBxL1[0])
 
     def add(sums, xs):  # one traced copy of the model, looped
-        return jax.tree.map(jnp.add, sums, one_slice(*xs)), None
+        new = one_slice(*xs)
+        with jax.named_scope("accumulate"):
+            return jax.tree.map(jnp.add, sums, new), None
 
     # forward only: the shapes (and, per device, the varying axes) of loss, ce and stats
-    loss, (ce, aux) = jax.eval_shape(loss_fn, params, buffers, slices_AxBxL1[0], None)
-    zeros = (jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params),
-             *jax.tree.map(_zeros, (loss, ce, aux)))
+    loss, (ce, aux) = jax.eval_shape(loss_fn, params, buffers, slices_AxBxL1[0], None, copies)
+    zero_grads = _cast_matrices(jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params),
+                                dtype)
+    zeros = (zero_grads, *jax.tree.map(_zeros, (loss, ce, aux)))
     sums, _ = jax.lax.scan(add, zeros, (jnp.arange(A), slices_AxBxL1))
     return sums
 
@@ -219,7 +229,8 @@ class AutoProgram:
         return working_copy(self.cfg, self.layout.mesh, params, self.use_specs)
 
     def reduce(self, grads):
-        return jax.tree.map(lambda g: g / self.cfg.train.accumulation_steps, grads)
+        return jax.tree.map(lambda g: g.astype(jnp.float32) / self.cfg.train.accumulation_steps,
+                            grads)
 
     def totals(self, loss, ce, aux):
         return loss, ce, aux
@@ -252,6 +263,19 @@ class DeviceProgram:
         self.plans = ddp.reductions(use_specs, shard_specs, self.mesh)
         self.sharded_master = _sharded_master(cfg)
         self.n_batch = self.mesh.shape["data"] * self.mesh.shape["expert"]
+        self.deferred = jax.tree_util.tree_map_with_path(self._defers, self.plans)
+
+    def _defers(self, path, r: ddp.Reduction) -> bool:
+        """Whether a parameter reaches the model as its ZeRO-1 shard, for a circular
+        pipeline to gather round by round and reduce its gradient in the same loop
+        (`device_pipeline`): a stage-held stack's tensor split only by ZeRO-1 over all
+        its replica axes, in a step of one slice that reduces in the compute dtype."""
+        cfg = self.cfg
+        return (self.layout.stack is not None and cfg.pipeline.virtual_stages > 1
+                and in_moe_stack(path) and self.sharded_master
+                and cfg.train.accumulation_steps == 1
+                and cfg.train.grad_reduce_dtype == cfg.model.compute_dtype
+                and bool(r.scatter_axes) and not r.sum_axes and r.dim >= 2)
 
     def start(self, step_key, rows_bxL1):
         # own router jitter
@@ -269,17 +293,26 @@ class DeviceProgram:
         return jax.lax.psum(x_b, "stage")
 
     def working(self, params):
-        """Cast, then (ZeRO-1 bf16 masters) gathered, then per device: made once a step."""
+        """Cast, then (ZeRO-1 bf16 masters) gathered, then per device: made once a step;
+        the deferred shards as they are (`ddp.Sharded`)."""
         working = _cast_matrices(params, self.cfg.model.compute_dtype)
-        if self.sharded_master:
-            working = jax.tree.map(ddp.gather_shards, working, self.plans)
-        return jax.tree.map(ddp.to_per_device, working, self.plans)
+
+        def place(w, r, deferred):
+            if deferred:
+                return ddp.Sharded(w, r)
+            return ddp.to_per_device(ddp.gather_shards(w, r) if self.sharded_master else w, r)
+
+        return jax.tree.map(place, working, self.plans, self.deferred)
 
     def reduce(self, grads):
         scale = 1.0 / (self.n_batch * self.cfg.train.accumulation_steps)
         grads = _cast_matrices(grads, self.cfg.train.grad_reduce_dtype)  # float32: no-op
-        return jax.tree.map(lambda g, r: ddp.reduce_gradient(g, r).astype(jnp.float32) * scale,
-                            grads, self.plans)
+
+        def reduced(r, deferred, g):  # a deferred shard's gradient arrives reduced
+            g = g.shard if deferred else ddp.reduce_gradient(g, r)
+            return g.astype(jnp.float32) * scale
+
+        return jax.tree.map(reduced, self.plans, self.deferred, grads)
 
     def totals(self, loss, ce, aux):
         # over every axis: stages hold disjoint layers (zeros elsewhere) and the
@@ -307,9 +340,12 @@ def make_train_step(cfg: Config, program, loss_fn: Callable, tx, lr_at) -> Calla
 
     def train_step(state: TrainState, batch_BxL1: jax.Array):
         step_key, rows = program.start(jax.random.fold_in(state.key, state.step), batch_BxL1)
-        grads, loss, ce, aux = accumulate_gradients(loss_fn, cfg, program.working(state.params),
-                                                    state.buffers, rows, step_key)
-        grads = program.reduce(grads)
+        with jax.named_scope("working_copy"):
+            working = program.working(state.params)
+        grads, loss, ce, aux = accumulate_gradients(loss_fn, cfg, working, state.buffers, rows,
+                                                    step_key)
+        with jax.named_scope("reduce"):
+            grads = program.reduce(grads)
         loss, ce, aux = program.totals(loss, ce, aux)
         grad_norm = program.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -429,19 +465,21 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
         on_mesh = lambda f: f  # noqa: E731
 
     rep = sharding.replicated(mesh)
+    options = layout.kernels.compiler_options
 
     def scoring(model_graphdef):
         step = on_mesh(make_score_step(program, make_score_fn(cfg, model_graphdef,
                                                                  model_layout)))
         return jax.jit(step, in_shardings=(shardings.params, shardings.buffers, batch_sh, batch_sh),
-                       out_shardings=rep)
+                       out_shardings=rep, compiler_options=options)
 
     return Steps(
         cfg=cfg, mesh=mesh, layout=layout, graphdef=graphdef, state_shardings=shardings,
         batch_sharding=batch_sh,
-        init=jax.jit(init, in_shardings=rep, out_shardings=shardings),
+        init=jax.jit(init, in_shardings=rep, out_shardings=shardings, compiler_options=options),
         train_step=jax.jit(train_step, in_shardings=(shardings, batch_sh),
-                           out_shardings=(shardings, rep), donate_argnums=0),
+                           out_shardings=(shardings, rep), donate_argnums=0,
+                           compiler_options=options),
         eval_step=scoring(graphdef), score_step=scoring(dropless_graphdef),
     )
 

@@ -52,6 +52,11 @@ class Target:
         return int(self._field("device_memory_size"))
 
     @property
+    def hbm_bandwidth(self) -> float:
+        """Bytes/s of device memory (the spec's `memory_bandwidth`)."""
+        return float(self._field("memory_bandwidth"))
+
+    @property
     def compute_capability(self) -> str:
         major, minor = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s*minor:\s*(\d+)",
                                  self.spec).groups()

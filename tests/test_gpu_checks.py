@@ -47,6 +47,8 @@ def test_checks_that_need_a_gpu_say_why_they_skip(monkeypatch):
     assert overlap.status == "SKIPPED" and "XLA:CPU rejects" in overlap.note
     memory = _run("compile_memory", monkeypatch)
     assert memory.status == "SKIPPED" and memory.note.startswith("no GPU")
+    roofline = _run("roofline", monkeypatch)
+    assert roofline.status == "SKIPPED" and roofline.note == "no datasheet for a CPU"
     # `ragged` skips only for XLA:CPU's missing collective, never for another error
     missing = RuntimeError("UNIMPLEMENTED: HLO opcode ragged-all-to-all is not supported by XLA:CPU")
     assert gc.cpu_cannot_run_ragged(missing).startswith("XLA:CPU cannot run ragged_all_to_all")

@@ -18,6 +18,7 @@ from jaxmoe.model.experts import ExpertWeights, expert_ffn
 from jaxmoe.parallel.collectives import collectives
 from jaxmoe.plan import compile_train_step, expert_gemm_ratios, routed_expert_flops
 from jaxmoe.program_flops import program_flops
+from jaxmoe.roofline import quantisations
 from jaxmoe.targets import EXTRA, compile_deviceless, gpu_compiler_available, virtual_devices
 
 if not gpu_compiler_available():  # part of the test extra: missing is a failure, not a skip
@@ -340,3 +341,107 @@ def test_in_loop_scoring_stays_within_the_train_steps_memory():
     train = peak_bytes(compiled.memory_analysis())
     assert scoring_peak(scorer.batch, L) < train < scoring_peak(cfg.train.batch_size,
                                                                 cfg.train.seq_len)
+
+
+# ------------------------------------------------------------------ what the step's time goes to
+
+
+def test_mxfp8_weights_are_quantised_once_per_step(monkeypatch):
+    """The B300 program of an MXFP8 config quantises each expert weight once per step,
+    outside every loop (the working copy's `mx_copies`); inside the loops the only
+    quantisations are of the GEMMs' rows (every array [local experts, C rows, ...]).
+    Companion: without the step's copies each expert GEMM quantises its weight in every
+    layer iteration and pass, and the check finds weight-shaped quantisations in loops."""
+    changes = {"moe__expert_precision": "mxfp8", "moe__expert_hidden": 96}
+    program, cfg = _compiled("b300", **changes)
+    rows = _buffer_rows("ragged", cfg.moe.capacity_factor) // El  # C = 320, no weight has it
+    found = quantisations(program)
+    weights = [q for q in found if "working_copy" in q[2]]
+    assert weights and all(runs == 1 and not in_loop for runs, in_loop, _, _ in weights)
+    assert [q for q in found if q[1] and q[3][1] != rows] == []
+
+    import jaxmoe.step
+    monkeypatch.setattr(jaxmoe.step, "mx_copies", lambda params, cfg: {})
+    per_call = Program(compile_train_step(_config(moe={"expert_precision": "mxfp8",
+                                                        "expert_hidden": 96}), "b300")[0].as_text())
+    again = [q for q in quantisations(per_call) if q[1] and q[3][1] != rows]
+    assert again and min(runs for runs, *_ in again) >= 2
+
+
+def _zero_buffers(program: Program, size: int) -> list:
+    """Materialised fp32 zeros (operand-less fusions) of at least `size` elements, each
+    with the instructions that read it (through its tuple outputs)."""
+    found = []
+    for inst, _, _ in program.instructions():
+        if inst.op != "fusion" or inst.operands or inst.computation not in program.runs:
+            continue
+        if not any(dt == "f32" and math.prod(d) >= size for dt, d in arrays(inst.type_text)):
+            continue
+        readers, frontier = [], [inst.name]
+        while frontier:
+            for user in program.users.get(frontier.pop(), []):
+                (frontier.append(user.name) if user.op == "get-tuple-element"
+                 else readers.append(user))
+        found.append((inst.name, readers))
+    return found
+
+
+def _loop_inits(program: Program, readers) -> bool:
+    """Whether every reader is the tuple a `while` loop starts from."""
+    return all(r.op == "tuple" and all(u.op == "while" for u in program.users.get(r.name, []))
+               for r in readers)
+
+
+def test_no_parameter_size_zero_buffer_lives_across_the_step(monkeypatch):
+    """A small replica of the 47B config's step (ddp + EP, ZeRO-1, fp32 gradient sums
+    over 2 slices): the only parameter-size fp32 zeros are the accumulators' start, read
+    by the accumulation loop alone. Companion: an optimizer that selects its update
+    against a zero constant on a skipped step makes XLA share that constant with the
+    accumulators' zeros and keep it, materialised, for the update after the loop."""
+    import optax
+
+    import jaxmoe.step
+    size = 2 * El * BASE["model"]["d_model"] * 2 * BASE["moe"]["expert_hidden"]  # w_gate_up
+    program, _ = _compiled("b300")
+    zeros = _zero_buffers(program, size)
+    assert zeros and all(_loop_inits(program, readers) for _, readers in zeros)
+
+    make = jaxmoe.step.make_optimizer
+
+    def selecting(cfg, steps):
+        tx = make(cfg, steps)
+
+        def update(grads, state, params=None, *, skip=None, **kw):
+            updates, state = tx.update(grads, state, params, skip=skip, **kw)
+            return jax.tree.map(lambda u: jnp.where(skip, 0.0, u), updates), state
+
+        return optax.GradientTransformationExtraArgs(tx.init, update)
+
+    monkeypatch.setattr(jaxmoe.step, "make_optimizer", selecting)
+    shared = Program(compile_train_step(_config(), "b300")[0].as_text())
+    assert any(not _loop_inits(shared, readers) for _, readers in _zero_buffers(shared, size))
+
+
+def test_expert_exchanges_run_beside_compute(monkeypatch):
+    """With XLA:GPU's latency-hiding scheduler (`Kernels.compiler_options`), every
+    exchange of token rows of a small config with a shared expert is asynchronous,
+    with kernels in its window, for `ragged` (the shipped GPU dispatcher) and
+    `alltoall`; with XLA's default scheduling some of `ragged`'s run synchronously.
+    (Which kernels land in a window is the scheduler's choice: benchmarks/RESULTS.md
+    counts the windows that hold a GEMM.)"""
+    from jaxmoe.kernels import Kernels
+    from jaxmoe.roofline import Link, roofline, row_exchanges
+    from jaxmoe.targets import TARGETS
+
+    link = Link.of(TARGETS["b300"])
+
+    def exchanges(dispatcher):
+        cfg = _config(moe={"dispatcher": dispatcher, "shared_expert_hidden": 128})
+        program = Program(compile_train_step(cfg, "b300")[0].as_text())
+        return row_exchanges(program, roofline(program, link))
+
+    for dispatcher in ("ragged", "alltoall"):
+        found = exchanges(dispatcher)
+        assert found and all(asynchronous and kinds for _, asynchronous, kinds in found)
+    monkeypatch.setattr(Kernels, "compiler_options", property(lambda self: {}))
+    assert not all(asynchronous for _, asynchronous, _ in exchanges("ragged"))

@@ -1,5 +1,5 @@
 """The memory levers the large configs pull (`train.grad_reduce_dtype`,
-`train.dense_mlp_chunk`), each against the unchanged computation within a
+`train.grad_accum_dtype`, `train.dense_mlp_chunk`), each against the unchanged computation within a
 tolerance derived from its arithmetic, and each tolerance shown tight enough to
 catch a dropped or doubled term. 8 fake CPU devices."""
 
@@ -98,18 +98,46 @@ def test_bf16_gradient_reduction_step():
     results differ."""
     got, bf16_scatters = _first_gradients("bfloat16")
     want, fp32_bf16_scatters = _first_gradients("float32")
-    tol = _gamma(7, U_BF16)
+    _assert_within_and_caught(got, want, _gamma(7, U_BF16), terms=8)
+    assert bf16_scatters > 0 and fp32_bf16_scatters == 0
 
+
+def _assert_within_and_caught(got, want, tol: float, terms: int):
+    """Every gradient within `tol` relative, and `tol` of its tensor's largest entry;
+    one of the `terms` summed terms missing or counted twice fails that; and the two
+    differ somewhere (they are different computations)."""
     def close(g, w, scale=1.0):
         np.testing.assert_allclose(scale * g, w, rtol=tol, atol=tol * float(np.abs(w).max()))
 
     jax.tree.map(close, got, want)
-    for wrong in (7 / 8, 9 / 8):
+    for wrong in ((terms - 1) / terms, (terms + 1) / terms):
         with pytest.raises(AssertionError):
             jax.tree.map(lambda g, w: close(g, w, wrong), got, want)
-    differs = jax.tree.leaves(jax.tree.map(lambda g, w: bool(np.any(g != w)), got, want))
-    assert any(differs)
-    assert bf16_scatters > 0 and fp32_bf16_scatters == 0
+    assert any(jax.tree.leaves(jax.tree.map(lambda g, w: bool(np.any(g != w)), got, want)))
+
+
+def _accumulated_gradients(accum_dtype: str):
+    """The ddp step's first gradient summed over 4 slices in `accum_dtype`."""
+    cfg = config_from_dict({**BASE, "train": {**BASE["train"], "batch_size": 32,
+                                              "accumulation_steps": 4,
+                                              "grad_accum_dtype": accum_dtype}})
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    tokens = np.random.default_rng(2).integers(0, 256, (32, 17)).astype(np.int32)
+    state, _ = steps.train_step(steps.init(jax.random.PRNGKey(0)),
+                                jax.device_put(tokens, steps.batch_sharding))
+    b1 = 0.9  # the first step's first moment is (1 - b1) x the gradient (no clip)
+    return jax.tree.map(lambda m: np.asarray(m) / (1 - b1), jax.device_get(state.opt_state.mu))
+
+
+def test_bf16_gradient_accumulation_within_its_rounding_bound():
+    """`grad_accum_dtype: bfloat16` against fp32 sums of the same 4 slices' gradients
+    (bf16 already: the compute dtype's): each device's sum is 3 bf16 additions, within
+    gamma_3 of sum_i |g_i| (Higham), which a tensor's largest term bounds where the
+    slices' gradients agree in sign (first-step gradients of i.i.d. slices do); the
+    device sums are then reduced alike in both. A slice missing or counted twice is
+    about a quarter of the gradient, far outside; and the two differ."""
+    got, want = _accumulated_gradients("bfloat16"), _accumulated_gradients("float32")
+    _assert_within_and_caught(got, want, _gamma(3, U_BF16), terms=4)
 
 
 def test_grad_reduce_dtype_needs_the_ddp_step():

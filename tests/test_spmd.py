@@ -213,16 +213,23 @@ def test_bf16_ddp_step_equals_single_device(mesh, dispatcher):
             _cfg(None, 4, dtype="bfloat16", dispatcher="dense"), jax.devices()[:1])
         _, got, _, losses, norms = _run(_cfg(mesh, 4, dtype="bfloat16", dispatcher=dispatcher),
                                         jax.devices())
-    # bf16 rounds to 2^-8 relative; two orders of the same bf16 sums differ by a few
-    # of those units of a tensor's largest terms (8 allowed: 3%), a factor 2 by 100%
-    u = 2.0 ** -8
+    _bf16_close(got, want)
+    np.testing.assert_allclose(losses[0], want_losses[0], rtol=U_BF16)
+    np.testing.assert_allclose(norms[0], want_norms[0], rtol=8 * U_BF16)
 
+
+U_BF16 = 2.0 ** -8
+
+
+def _bf16_close(got, want):
+    """bf16 rounds to 2^-8 relative; two orders of the same bf16 sums differ by a few of
+    those units of a tensor's largest terms (8 allowed: 3%), a factor 2 by 100%: half or
+    twice the gradient fails."""
     def close(g, w, scale=1.0):
-        np.testing.assert_allclose(scale * g, w, rtol=8 * u, atol=8 * u * float(np.abs(w).max()))
+        np.testing.assert_allclose(scale * g, w, rtol=8 * U_BF16,
+                                   atol=8 * U_BF16 * float(np.abs(w).max()))
 
     jax.tree.map(close, got, want)
-    np.testing.assert_allclose(losses[0], want_losses[0], rtol=u)
-    np.testing.assert_allclose(norms[0], want_norms[0], rtol=8 * u)
     for wrong in (0.5, 2.0):
         with pytest.raises(AssertionError):
             jax.tree.map(lambda g, w: close(g, w, wrong), got, want)
@@ -271,6 +278,63 @@ def test_ddp_pipeline_reduces_gradients_once_per_step():
         assert t["collective-permute"].ops_in_loops > 0  # the stage shift
     for kind in ("all-reduce", "reduce-scatter"):
         assert ddp[2][kind].runs == ddp[8][kind].runs and ddp[2][kind].bytes == ddp[8][kind].bytes
+
+
+def test_zero1_shards_gathered_in_the_pipeline_equal_gathered_first(monkeypatch):
+    """bf16 masters in ZeRO-1 shards on a circular pipeline (data 2 x stage 2 x expert
+    2, 2 virtual stages, one slice, reduced in bf16): the stage stack reaches the
+    pipeline as its shards, gathered a round at a time in the pipeline's loop and its
+    gradient reduce-scattered there (`ddp.Sharded`). Against the same step gathering
+    everything first and reducing after: the first gradients agree up to the order of
+    bf16 additions (a few units of 2^-8 of a tensor's largest terms; 8 allowed, as
+    above), and the programs differ as they should: all-gathers and
+    reduce-scatters inside loops in the one, none in the other."""
+    import jaxmoe.step
+
+    cfg = override_config(_cfg({**PIPE, "zero1": True}, 1, "bfloat16", CIRCULAR,
+                               dispatcher="alltoall"), ["train.grad_reduce_dtype=bfloat16"])
+
+    def first_grads_and_loops():
+        steps = build_steps(cfg, make_mesh(cfg.mesh))
+        batch = jax.ShapeDtypeStruct((cfg.train.batch_size, 17), jnp.int32,
+                                     sharding=steps.batch_sharding)
+        t = totals(compiled_collectives(steps.train_step.lower(abstract_target(steps),
+                                                               batch).compile()))
+        return _run(cfg, jax.devices())[1], t["all-gather"].ops_in_loops, \
+            t["reduce-scatter"].ops_in_loops
+
+    got, gathers, scatters = first_grads_and_loops()
+    assert gathers > 0 and scatters > 0
+    monkeypatch.setattr(jaxmoe.step.DeviceProgram, "_defers", lambda self, path, r: False)
+    want, gathers, scatters = first_grads_and_loops()
+    assert gathers == scatters == 0
+    _bf16_close(got, want)
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_sharded_parts_join_to_the_gathered_tensor(dim):
+    """A ZeRO-1 shard gathered in 4 parts along its last axis and joined is the tensor
+    gathered whole, whether the shard splits the last axis (the parts then interleave
+    every device's slices) or another; a part joined in the wrong place is caught."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxmoe.parallel import ddp
+    mesh = make_mesh(MeshConfig(data=8))
+    plan = ddp.Reduction(("data",), (), ("data",), dim, 1)
+    x = jnp.arange(2 * 16 * 32, dtype=jnp.float32).reshape(2, 16, 32)
+
+    def local(shard, order):
+        t = ddp.Sharded(shard, plan)
+        parts = jnp.stack([t.gathered_part(p, 4) for p in range(4)])[order]
+        return t.joined(parts), t.gathered()
+
+    spec = P(*[None] * dim, "data")
+    for order, same in ((jnp.arange(4), True), (jnp.array([1, 0, 2, 3]), False)):
+        joined, whole = jax.jit(jax.shard_map(
+            local, mesh=mesh, in_specs=(spec, P()), out_specs=(P(), P()),
+            check_vma=False))(x, order)
+        np.testing.assert_array_equal(whole, x)
+        assert np.array_equal(joined, x) == same
 
 
 def _leaf(state, *path):

@@ -151,10 +151,15 @@ def run_stack(stack: Block, x_BxLxD, positions_BxL, layout, key, remat: str):
     return scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat)
 
 
-def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str, active_N=None):
+def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str, active_N=None,
+                unroll: bool = False):
     """lax.scan of one block over stacked layer states (leading axis = layers).
 
     active_N: per-layer flags; an inactive layer passes x through and reports zeros.
+    unroll: the layers one after another rather than in a loop: their weights are
+    then static slices of the stack and their gradients land in the stack's
+    gradient where they belong, where a loop stacks them into a zeroed buffer of
+    its own first (a pipeline stage's few layers, run once per iteration).
     """
     n = jax.tree.leaves(state)[0].shape[0]
     keys = None if key is None else jax.random.split(key, n)
@@ -162,14 +167,16 @@ def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str
     def body(x, layer):
         layer_state, k, active = layer
         y, aux = nnx.merge(graphdef, layer_state)(x, positions_BxL, layout, k)
-        if active is None:
-            return y, aux
-        return jnp.where(active, y, x), jax.tree.map(lambda a: jnp.where(active, a, 0), aux)
+        if active is not None:
+            y, aux = jnp.where(active, y, x), jax.tree.map(lambda a: jnp.where(active, a, 0), aux)
+        # unrolled, no fusion spans two layers: each computes (and rounds) as in a loop
+        return jax.lax.optimization_barrier(y) if unroll else y, aux
 
     if remat != "none":
         layer = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
         body = lambda x, xs: layer(checkpoint_name(x, LAYER_INPUT), xs)  # noqa: E731
-    return jax.lax.scan(body, x_BxLxD, (state, keys, active_N))
+    with jax.named_scope("layers"):
+        return jax.lax.scan(body, x_BxLxD, (state, keys, active_N), unroll=unroll)
 
 
 class Transformer(nnx.Module):
@@ -202,7 +209,8 @@ class Transformer(nnx.Module):
         m = self.cfg.model
         B, L = tokens_BxL.shape
         positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-        x = self.embed[...][tokens_BxL].astype(jnp.dtype(m.compute_dtype))
+        with jax.named_scope("embed"):
+            x = self.embed[...][tokens_BxL].astype(jnp.dtype(m.compute_dtype))
         x = _constrain(x, layout)
         aux = {}
         if m.num_dense_layers:

@@ -28,7 +28,7 @@ log2 are not exact at integers, and either would change the bits of a block.
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -137,27 +137,45 @@ def fake_quantize(x: jax.Array, axis: int = -1, scale_rule: ScaleRule = "ceil") 
 # ---------------------------------------------------------------- MXFP8 batched matmul
 
 
-def _quantized_operands(a_ExCxI: jax.Array, b_ExOxI: jax.Array, scale_rule: ScaleRule,
-                        native: bool):
-    """What an MXFP8 GEMM reads of its operands: (elements, scales) pairs for a native
+class MXWeight(NamedTuple):
+    """A stack of weights [..., I, O] with the two MXFP8 copies its GEMMs read, made once
+    per optimizer step (`quantize_weight`) rather than in every micro-batch, layer
+    iteration and pass: the forward GEMM contracts I, so its copy is blocked along I
+    (stored [..., O, I], the GEMM's operand layout); the input gradient contracts O,
+    so its copy is blocked along O. `w` is the primal the GEMMs return the gradient
+    of; they never read its values."""
+
+    w: jax.Array  # [..., I, O] in the compute dtype
+    forward: jax.Array  # e4m3 [..., O, I]
+    forward_scales: jax.Array  # e8m0 [..., O, I / 32]
+    dgrad: jax.Array  # e4m3 [..., I, O]
+    dgrad_scales: jax.Array  # e8m0 [..., I, O / 32]
+
+
+def quantize_weight(w_xIxO: jax.Array, scale_rule: ScaleRule = "ceil") -> MXWeight:
+    """`w` and its forward and input-gradient MXFP8 copies (any leading dims: a layer
+    stack, experts). Gradient-free: the copies are constants of the step."""
+    q = jax.lax.stop_gradient(w_xIxO)
+    return MXWeight(w_xIxO, *quantize(jnp.swapaxes(q, -1, -2), -1, scale_rule),
+                    *quantize(q, -1, scale_rule))
+
+
+def _operand(q: tuple[jax.Array, jax.Array], native: bool):
+    """What a GEMM reads of an MXFP8 operand: (elements, scales) for a native
     block-scaled GEMM, else the dequantised fp32 values."""
-    qa, qb = quantize(a_ExCxI, -1, scale_rule), quantize(b_ExOxI, -1, scale_rule)
-    if native:
-        return qa, qb
-    return dequantize(*qa), dequantize(*qb)
+    return q if native else dequantize(*q)
 
 
 def _gemm(a, b, out_dtype, native: bool) -> jax.Array:
-    """[E, C, I] x [E, O, I] -> [E, C, O] on `_quantized_operands`, fp32 accumulation."""
+    """[E, C, I] x [E, O, I] -> [E, C, O] on `_operand`s, fp32 accumulation, written in
+    `out_dtype` (the hardware rounds its fp32 accumulator once, as the cast does)."""
     if native:
         (qa, sa), (qb, sb) = a, b
-        out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
+        out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=out_dtype)
         # its result type forgets the mesh axes its operands vary over (inside shard_map,
         # jax 0.10); restore them, or a custom VJP around it fails JAX's type check
-        out = vary(out, varying_axes(qa) | varying_axes(qb))
-    else:
-        out = jnp.einsum("eci,eoi->eco", a, b, preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
+        return vary(out, varying_axes(qa) | varying_axes(qb))
+    return jnp.einsum("eci,eoi->eco", a, b, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def mx_bmm(a_ExCxI: jax.Array, b_ExOxI: jax.Array, out_dtype,
@@ -170,7 +188,8 @@ def mx_bmm(a_ExCxI: jax.Array, b_ExOxI: jax.Array, out_dtype,
     in an fp32 einsum (bit-for-bit the inputs the hardware would see, so CPU runs
     predict GPU numerics).
     """
-    return _gemm(*_quantized_operands(a_ExCxI, b_ExOxI, scale_rule, native), out_dtype, native)
+    return _gemm(_operand(quantize(a_ExCxI, -1, scale_rule), native),
+                 _operand(quantize(b_ExOxI, -1, scale_rule), native), out_dtype, native)
 
 
 def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
@@ -180,14 +199,14 @@ def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
     return (jax.lax.psum(ct, extra) if extra else ct).astype(primal.dtype)
 
 
-# The custom VJPs below take their forward operands already quantised (computed
+# The custom VJP below takes its forward operands already quantised (computed
 # outside, gradient stopped): a custom-VJP forward that quantises (and so mixes
 # constants with device-varying values) cannot be differentiated inside a
 # shard_map that a pipeline's stage vmap batches within scans (JAX's varying-axes
-# check rejects the batched forward). Their backward rules may quantise freely.
+# check rejects the batched forward). Its backward rule may quantise freely.
 
 
-def mx_linear(x_ExCxI: jax.Array, w_ExIxO: jax.Array, mxfp8_weight_grad: bool = False,
+def mx_linear(x_ExCxI: jax.Array, w: MXWeight | jax.Array, mxfp8_weight_grad: bool = False,
               scale_rule: ScaleRule = "ceil", native: bool = False) -> jax.Array:
     """Per-expert x @ w with MXFP8 operands in the forward and the input gradient.
 
@@ -195,33 +214,40 @@ def mx_linear(x_ExCxI: jax.Array, w_ExIxO: jax.Array, mxfp8_weight_grad: bool = 
     blocked along O. Weight gradient dw = x^T @ dy over the rows C: bf16 operands
     with fp32 accumulation, or MXFP8 blocked along C when `mxfp8_weight_grad`.
     Every quantisation uses `scale_rule`; every MXFP8 GEMM is native or emulated
-    as `native` says (see `mx_bmm`).
+    as `native` says (see `mx_bmm`). `w`: [E, I, O], or its `MXWeight` made once
+    per step (a plain array is quantised here, in every call).
     """
-    qx, qw = jax.lax.stop_gradient(
-        _quantized_operands(x_ExCxI, jnp.swapaxes(w_ExIxO, 1, 2), scale_rule, native))
-    return _mx_linear(x_ExCxI, w_ExIxO, qx, qw, mxfp8_weight_grad, scale_rule, native)
+    w = w if isinstance(w, MXWeight) else quantize_weight(w, scale_rule)
+    qx = jax.lax.stop_gradient(quantize(x_ExCxI, -1, scale_rule))
+    forward = (w.forward, w.forward_scales)
+    dgrad = (w.dgrad, w.dgrad_scales)
+    return _mx_linear(x_ExCxI, w.w, qx, forward, dgrad, mxfp8_weight_grad, scale_rule, native)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _mx_linear(x, w, qx, qw, mxfp8_weight_grad, scale_rule, native):
-    return _gemm(qx, qw, x.dtype, native)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _mx_linear(x, w, qx, forward, dgrad, mxfp8_weight_grad, scale_rule, native):
+    return _gemm(_operand(qx, native), _operand(forward, native), x.dtype, native)
 
 
-def _mx_linear_fwd(x, w, qx, qw, mxfp8_weight_grad, scale_rule, native):
-    return _gemm(qx, qw, x.dtype, native), (x, w)
+def _mx_linear_fwd(x, w, qx, forward, dgrad, mxfp8_weight_grad, scale_rule, native):
+    # w is kept for its dtype and mesh axes only: no GEMM reads it, so XLA drops it
+    return _mx_linear(x, w, qx, forward, dgrad, mxfp8_weight_grad, scale_rule, native), \
+        (x, w, dgrad)
 
 
 def _mx_linear_bwd(mxfp8_weight_grad, scale_rule, native, res, dy_ExCxO):
-    x, w = res
-    # contracts O: [E, C, O] x [E, I, O]
-    dx = mx_bmm(dy_ExCxO, w, jnp.float32, scale_rule, native)
+    x, w, dgrad = res
+    # contracts O: [E, C, O] x [E, I, O]; in x's dtype unless it is still to be summed
+    summed = (varying_axes(dy_ExCxO) | varying_axes(dgrad[0])) - varying_axes(x)
+    dx = _gemm(_operand(quantize(dy_ExCxO, -1, scale_rule), native), _operand(dgrad, native),
+               jnp.float32 if summed else x.dtype, native)
     xt, dyt = jnp.swapaxes(x, 1, 2), jnp.swapaxes(dy_ExCxO, 1, 2)  # [E, I, C], [E, O, C]
     if mxfp8_weight_grad:
         dw = mx_bmm(xt, dyt, jnp.float32, scale_rule, native)
     else:
         dw = jnp.einsum("ekc,enc->ekn", xt.astype(jnp.bfloat16), dyt.astype(jnp.bfloat16),
                         preferred_element_type=jnp.float32)
-    return _like_primal(dx, x), _like_primal(dw, w), None, None
+    return _like_primal(dx, x), _like_primal(dw, w), None, None, None
 
 
 _mx_linear.defvjp(_mx_linear_fwd, _mx_linear_bwd)

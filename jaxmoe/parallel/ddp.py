@@ -9,10 +9,17 @@ micro-batch loop. After the last micro-batch each gradient is reduced once, over
 exactly the axes that hold a copy of its parameter: a `psum_scatter` straight
 into the optimizer's ZeRO-1 shard where the state is split, a `psum` where it
 is not (ZeRO-1 off, or a tensor too small to divide).
+
+A parameter can also reach the model as its `Sharded` ZeRO-1 shard, the gather
+left to where it is used: a pipeline gathers a later round's weights piece by
+piece while an earlier round computes (`parallel.pipeline.device_pipeline`).
+The transpose of that gather is the gradient's reduce-scatter, in the same loop,
+so such a gradient arrives reduced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -54,6 +61,45 @@ def reduction(param_spec: P, opt_spec: P, mesh: Mesh) -> Reduction:
     # not split (XLA keeps such ops over groups of one; they send nothing)
     sums = tuple(a for a in varying if a not in scatter)
     return Reduction(varying, sums, scatter, dim, math.prod(mesh.shape[a] for a in sums))
+
+
+@jax.tree_util.register_pytree_node_class
+class Sharded:
+    """A parameter's ZeRO-1 shard and its plan: gathered where it is used."""
+
+    def __init__(self, shard: jax.Array, plan: Reduction):
+        self.shard, self.plan = shard, plan
+
+    def tree_flatten(self):
+        return (self.shard,), self.plan
+
+    @classmethod
+    def tree_unflatten(cls, plan, children):
+        return cls(children[0], plan)
+
+    def at(self, index: int) -> Sharded:
+        """The shard of the tensor's slice `index` along its first axis."""
+        return Sharded(self.shard[index], dataclasses.replace(self.plan, dim=self.plan.dim - 1))
+
+    def gathered(self) -> jax.Array:
+        """The whole tensor, per device: an all-gather whose transpose is the gradient's
+        reduce-scatter (the plan's axes are the tensor's only replica axes)."""
+        return lax.all_gather(self.shard, self.plan.scatter_axes, axis=self.plan.dim, tiled=True)
+
+    def gathered_part(self, part: int | jax.Array, parts: int) -> jax.Array:
+        """`gathered()[..., part of parts along the last axis]`, gathering only that."""
+        n = self.shard.shape[-1] // parts
+        return Sharded(lax.dynamic_slice_in_dim(self.shard, part * n, n, axis=-1),
+                       self.plan).gathered()
+
+    def joined(self, parts_N: jax.Array) -> jax.Array:
+        """`gathered()` from the `gathered_part`s of every part, stacked [N, ...]."""
+        N, last = parts_N.shape[0], self.plan.dim == self.shard.ndim - 1
+        if last:  # each part holds its slice of every device's shard, device-major
+            devices = parts_N.shape[-1] * N // self.shard.shape[-1]
+            parts_N = parts_N.reshape(*parts_N.shape[:-1], devices, -1)
+        whole = jnp.moveaxis(parts_N, 0, -2)  # [..., (devices,) N, n]
+        return whole.reshape(*whole.shape[:-3 if last else -2], -1)
 
 
 def reduce_gradient(g: jax.Array, r: Reduction) -> jax.Array:

@@ -32,6 +32,7 @@ whose transpose carries the cotangents back, so no gradient is reduced in the lo
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -41,9 +42,11 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxmoe.model.experts import mx_copies, with_mx_copies
 from jaxmoe.model.moe import MEAN_STATS
 from jaxmoe.model.remat import REMAT_POLICIES, keeping_layer_inputs
 from jaxmoe.model.transformer import scan_layers
+from jaxmoe.parallel.ddp import Sharded
 from jaxmoe.sharding import BATCH_AXES
 
 
@@ -91,7 +94,8 @@ def _stage_fn(graphdef, positions_bxL, layout, remat: str, padded: bool):
     def stage_fn(chunks_Vs, real_VsxLp, round_, x_bxLxD, key):
         pick = lambda a: lax.dynamic_index_in_dim(a, round_, keepdims=False)  # noqa: E731
         return scan_layers(graphdef, jax.tree.map(pick, chunks_Vs), x_bxLxD, positions_bxL,
-                           layout, key, remat, active_N=pick(real_VsxLp) if padded else None)
+                           layout, key, remat, active_N=pick(real_VsxLp) if padded else None,
+                           unroll=True)
 
     # Only the stages' computation is checkpointed: checkpointing the whole iteration
     # would keep the carried store, [M, b/M, L, D], once per iteration; without this
@@ -126,6 +130,7 @@ def _per_layer(aux, round_, stage, stack: StageStack, num_layers: int, M: int):
     return out
 
 
+@jax.named_scope("pipeline")
 def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatches: int,
              num_layers: int):
     """Runs the stage-held MoE stack as S pipeline stages on global arrays; returns
@@ -168,20 +173,29 @@ def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatche
     return y_BxLxD, _per_layer(aux, round_TxS, stage_TxS, layers, num_layers, M)
 
 
+@jax.named_scope("pipeline")
 def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, microbatches: int,
                     num_layers: int):
     """One device's share of `pipeline`, inside a `shard_map` over every mesh axis.
 
-    stack: this device's chunks, [V, 1, per, ...]; x: its own rows. Returns (x, aux):
-    x is the model's output on the last stage (the only stage whose loss counts:
-    `DeviceLayout.output_share`), and aux holds this stage's layers at their model-order
-    positions and zeros elsewhere, so sums over `stage` give every layer once.
+    stack: this device's chunks, [V, 1, per, ...]. Returns (x, aux): x is the model's
+    output on the last stage (the only stage whose loss counts:
+    `DeviceLayout.output_share`), and aux holds this stage's layers at their
+    model-order positions and zeros elsewhere, so sums over `stage` give every layer
+    once.
+
+    Leaves that arrive as their ZeRO-1 shards (`ddp.Sharded`: the ddp step defers their
+    gather here) are gathered round by round: the iterations run as V scans, scan v
+    (from iteration v M) the first to need round v's chunk and the last to need round
+    v - 1's; round 0 is gathered before the first, and scan v gathers round v + 1 in
+    M parts, one per iteration, beside its stages' compute. Autodiff turns each
+    gather into its gradient's reduce-scatter in the same iteration of the backward
+    pass, where that round's gradient is complete.
     """
     graphdef, state = nnx.split(stack)
     layers = layout.stack
     S, M, V = layers.stages, microbatches, layers.virtual
     s = lax.axis_index("stage")
-    chunks = jax.tree.map(lambda a: a[:, 0], state)  # [V, per, ...]
     real_VsxLp = jnp.take(layers.real(num_layers), s, axis=1)
     b, L, D = x_bxLxD.shape
     store_MxmxLxD = x_bxLxD.reshape(b // M, M, L, D).swapaxes(0, 1)  # the same strided split
@@ -189,7 +203,7 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
                          layers.slots > num_layers)
     to_next = [(i, (i + 1) % S) for i in range(S)]
 
-    def iteration(carry, t):
+    def iteration(chunks, first, gather, carry, t):
         inbox_mxLxD, store = carry
         # Stage 0 files the last stage's output of copy t - S (it arrived in the
         # inbox) as the next round's input, then takes copy t's input.
@@ -201,16 +215,76 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
         x_in = jnp.where(s == 0, fresh, inbox_mxLxD)
         valid, micro, round_ = _copies(t, s, M, V)
         k = None if key is None else jax.random.split(jax.random.fold_in(key, t), S)[s]
-        out_mxLxD, aux = stage_fn(chunks, real_VsxLp, round_, x_in, k)
+        held = jax.tree.leaves(chunks)[0].shape[0]
+        out_mxLxD, aux = stage_fn(chunks, real_VsxLp[first:first + held],
+                                  jnp.clip(round_ - first, 0, held - 1), x_in, k)
         aux = jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), aux)
         # The last stage keeps its outputs: after the final round, the model's output.
         kept = jnp.where((s == S - 1) & valid, out_mxLxD,
                          lax.dynamic_index_in_dim(store, micro, keepdims=False))
         store = lax.dynamic_update_index_in_dim(store, kept, micro, 0)
-        return (lax.ppermute(out_mxLxD, "stage", to_next), store), (aux, round_)
+        carry = (lax.ppermute(out_mxLxD, "stage", to_next), store)
+        return carry, (aux, round_, gather(t % M))
 
-    init = (jnp.zeros_like(store_MxmxLxD[0]), store_MxmxLxD)
-    (_, store), (aux, round_T) = lax.scan(iteration, init, jnp.arange(V * M + S - 1))
+    carry = (jnp.zeros_like(store_MxmxLxD[0]), store_MxmxLxD)
+    sharded = lambda a: isinstance(a, Sharded)  # noqa: E731
+    if not any(sharded(a) for a in jax.tree.leaves(state, is_leaf=sharded)):
+        chunks = jax.tree.map(lambda a: a[:, 0], state)  # [V, per, ...]
+        carry, (aux, round_T, _) = lax.scan(
+            functools.partial(iteration, chunks, 0, lambda part: {}), carry,
+            jnp.arange(V * M + S - 1))
+    else:
+        rounds = _rounds(state, layout, M)
+        per_round = []
+        for v in range(V):  # scan v: iterations v M .. (v + 1) M - 1, the last to the end
+            first = max(v - 1, 0)
+            chunks = jax.tree.map(lambda *r: jnp.stack(r), *rounds[first:v + 1])
+            gather = rounds[v + 1] if v + 1 < V else lambda part: {}
+            ts = jnp.arange(v * M, (v + 1) * M if v < V - 1 else V * M + S - 1)
+            carry, (*ys, parts) = lax.scan(functools.partial(iteration, chunks, first, gather),
+                                           carry, ts)
+            per_round.append(ys)
+            if v + 1 < V:
+                rounds[v + 1] = rounds[v + 1].joined(parts)
+        aux, round_T = jax.tree.map(lambda *a: jnp.concatenate(a), *per_round)
+    store = carry[1]
     y_bxLxD = store.swapaxes(0, 1).reshape(b, L, D)
     return y_bxLxD, _per_layer(aux, round_T, jnp.broadcast_to(s, round_T.shape), layers,
                                num_layers, M)
+
+
+class _Gathering:
+    """A round of the stage's chunks gathered in `parts` parts: called with a part's
+    index it gathers that part of every `Sharded` leaf whose last axis divides into
+    them; `joined` assembles the round from the parts (gathering the other `Sharded`
+    leaves whole) and readies it for the layers."""
+
+    def __init__(self, state, layout, parts: int):
+        self.leaves, self.tree = jax.tree.flatten(state, is_leaf=lambda a: isinstance(a, Sharded))
+        self.layout, self.parts = layout, parts
+        self.split = [i for i, a in enumerate(self.leaves)
+                      if isinstance(a, Sharded) and a.shard.shape[-1] % parts == 0]
+
+    def __call__(self, part) -> dict:
+        return {i: self.leaves[i].gathered_part(part, self.parts) for i in self.split}
+
+    def joined(self, parts_N: dict):
+        whole = [self.leaves[i].joined(parts_N[i]) if i in parts_N else
+                 a.gathered() if isinstance(a, Sharded) else a for i, a in enumerate(self.leaves)]
+        return ready(jax.tree.unflatten(self.tree, whole), self.layout)
+
+
+def ready(round_state, layout):
+    """A round's gathered weights as the layers compute with them (their MXFP8 copies)."""
+    return with_mx_copies(round_state, mx_copies(round_state, layout.cfg.moe))
+
+
+def _rounds(state, layout, parts: int) -> list:
+    """Round 0 ready (its `Sharded` leaves gathered now), and rounds 1 .. V - 1 as
+    `_Gathering`s; every leaf without its stage axis: [per, ...]."""
+    V = layout.stack.virtual
+    one = [jax.tree.map(lambda a: a.at(v).at(0) if isinstance(a, Sharded) else a[v, 0], state,
+                        is_leaf=lambda a: isinstance(a, Sharded)) for v in range(V)]
+    whole = jax.tree.map(lambda a: a.gathered() if isinstance(a, Sharded) else a, one[0],
+                         is_leaf=lambda a: isinstance(a, Sharded))
+    return [ready(whole, layout)] + [_Gathering(r, layout, parts) for r in one[1:]]
