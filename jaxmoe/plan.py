@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 
 from jaxmoe.fake_devices import cpu_devices_env
 from jaxmoe.targets import EXTRA, TARGETS, gpu_compiler_available
@@ -82,11 +83,13 @@ def expert_gemm_ratios(expert_flops: dict[str, float], routed_forward: float) ->
     return ratios | {"max": max(ratios.values(), default=0.0)}
 
 
-def compile_train_step(cfg, target: str | None = None, hosts: int | None = None):
+def compile_train_step(cfg, target: str | None = None, hosts: int | None = None,
+                       dump_to: str | None = None):
     """`cfg`'s train step compiled against abstract inputs, for `target` (None: the
     devices this process has; a GPU's name: as many virtual ones as the mesh has, on
     `hosts` hosts, `targets.topology`): (compiled, steps, abstract state). Nothing is
-    allocated."""
+    allocated. `dump_to`: a directory for XLA's dump of the program (its buffer
+    assignment and memory report: `largest_buffers`)."""
     import jax
     import jax.numpy as jnp
 
@@ -104,7 +107,33 @@ def compile_train_step(cfg, target: str | None = None, hosts: int | None = None)
     batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32,
                                  sharding=steps.batch_sharding)
     lowered = steps.train_step.trace(abstract, batch).lower()
-    return (lowered.compile() if target is None else compile_deviceless(lowered)), steps, abstract
+    dump = None if dump_to is None else {
+        "xla_dump_to": dump_to, "xla_dump_hlo_as_text": True, "xla_dump_hlo_pass_re": "^$",
+        "xla_dump_hlo_module_re": ".*train_step.*"}
+    compiled = lowered.compile(dump) if target is None else compile_deviceless(lowered, dump)
+    return compiled, steps, abstract
+
+
+def largest_buffers(dump_dir: str, top: int = 6) -> list[dict]:
+    """The largest temporary allocations of the program's device memory (not its
+    arguments), from XLA's memory report in `dump_dir` (`compile_train_step(dump_to=
+    ...)`): bytes, and the values that share each (over the step several values may
+    reuse one buffer)."""
+    from pathlib import Path
+    reports = sorted(Path(dump_dir).glob("*train_step*memory-usage-report.txt"))
+    if not reports:
+        return []
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    out = []
+    for line in reports[-1].read_text().split("\n\n", 1)[0].splitlines():
+        fields = [f.strip() for f in line.split(";")]
+        if len(fields) != 5 or not fields[1][:1].isdigit():
+            continue
+        number, unit = fields[1][:-3], fields[1][-3:]
+        if unit.endswith("B") and not unit[:-1].isalpha():
+            number, unit = fields[1][:-1], "B"
+        out.append({"bytes": int(float(number) * units[unit]), "values": fields[4]})
+    return out[:top]
 
 
 def peak_bytes(memory) -> int:
@@ -172,7 +201,10 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     if target == "cpu":
         stand_ins, notes = _cpu_stand_ins(cfg)
         cfg = load_config(config_path, overrides + stand_ins)
-    compiled, steps, abstract = compile_train_step(cfg, None if target == "cpu" else target)
+    with tempfile.TemporaryDirectory() as dump:
+        compiled, steps, abstract = compile_train_step(cfg, None if target == "cpu" else target,
+                                                       dump_to=dump)
+        buffers = largest_buffers(dump)
     mesh = steps.mesh
     mem = compiled.memory_analysis()
     program = Program(compiled.as_text())
@@ -246,6 +278,7 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
         "bound": bound,
         "roofline": roof,
         "fits": peak <= datasheet.memory, "device_memory": datasheet.memory,
+        "largest_buffers": buffers,
         # JAX preallocates 75% of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says more
         "memory_fraction_needed": peak / datasheet.memory,
         "assumptions": [f"compiled for {'fake CPU devices' if target == 'cpu' else target} "
@@ -284,6 +317,10 @@ def print_plan(p: dict) -> None:
           f"native MXFP8 {k['native_mxfp8']}, ragged exchange {k['ragged_exchange']}")
     for key, v in p["bytes_per_device"].items():
         print(f"  {key:28s} {gb(v):>12s} per device")
+    if p["largest_buffers"]:
+        print("    largest temporaries (XLA's buffer assignment; the values that share "
+              "each): " + ", ".join(f"{gb(b['bytes'])} {b['values']}"
+                                   for b in p["largest_buffers"]))
     for key, v in p["collective_bytes_per_step"].items():
         across = p["collective_bytes_across_hosts"].get(key, 0)
         print(f"  {key + ' per step':28s} {gb(v):>12s} sent per device, "

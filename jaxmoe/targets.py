@@ -118,14 +118,14 @@ def virtual_devices(target: Target | str, num_devices: int, hosts: int | None = 
     return list(topo.devices)
 
 
-def compile_deviceless(lowered):
-    """`lowered.compile()` for a program lowered on virtual devices. A deviceless
-    executable cannot be read back from JAX's compilation cache (it has no client to
-    load into), so the cache is off for it."""
+def compile_deviceless(lowered, compiler_options: dict | None = None):
+    """`lowered.compile(compiler_options)` for a program lowered on virtual devices. A
+    deviceless executable cannot be read back from JAX's compilation cache (it has no
+    client to load into), so the cache is off for it."""
     import jax
     cached = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        return lowered.compile()
+        return lowered.compile(compiler_options)
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)

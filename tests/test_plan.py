@@ -49,6 +49,10 @@ def test_47b_fits_a_b300_with_the_shipped_dispatcher(b300):
     assert mem["optimizer_state"] == pytest.approx(2 * mem["parameters"], rel=1e-6)
     assert mem["parameters"] + mem["optimizer_state"] <= mem["peak"] <= 136e9
     assert "FITS: peak" in stdout and plan["fits"]
+    # what holds the peak, from XLA's buffer assignment: an expert stack's bf16 size
+    # (the working copy, the summed gradients, one slice's stacked gradients)
+    experts_bf16 = 7 * 16 * 4096 * 8192 * 2  # 7 MoE layers x 16 local experts x D x 2F
+    assert [b["bytes"] for b in plan["largest_buffers"][:3]] == [experts_bf16] * 3
     # the roofline of the compiled program: every kernel, the schedule's collectives
     roof = plan["roofline"]
     assert "roofline of the compiled program" in stdout
