@@ -4,10 +4,31 @@ The pure-function API is imported on first use, so `import jaxmoe.config` (and t
 planner, which must set the fake device count first) does not start JAX.
 """
 
-from jaxmoe.config import Config, config_from_dict, load_config
-
 import importlib
 import importlib.util
+import logging
+import os
+
+from jaxmoe.config import Config, config_from_dict, load_config
+
+
+def _no_gpu() -> bool:
+    """Whether this machine has no NVIDIA GPU (no driver, no device node)."""
+    return not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0",
+                                                 "/proc/driver/nvidia/version"))
+
+
+def _quiet_gpu_plugin_on_cpu() -> None:
+    """On a machine without a GPU but with the CUDA plugin installed (XLA:GPU's
+    compiler, which the test extra brings), JAX logs the plugin's failed start, a
+    20-line traceback, every time it starts, then runs on the CPU as it would have:
+    that one record is dropped. A machine with a GPU logs it as ever."""
+    if _no_gpu():
+        logging.getLogger("jax._src.xla_bridge").addFilter(
+            lambda record: not record.getMessage().startswith("Jax plugin configuration error"))
+
+
+_quiet_gpu_plugin_on_cpu()
 
 _API = ("apply", "init", "init_moe_layer", "load_params", "moe_layer", "moe_layer_params")
 

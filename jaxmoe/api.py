@@ -182,5 +182,5 @@ def load_params(path: str | Path, step: int | None = None,
     training capacity.
     """
     directory, found = checkpoint.locate(path)
-    weights, saved = checkpoint.restore_weights(directory, found if step is None else step)
+    weights, saved, _, _ = checkpoint.load_weights(directory, found if step is None else step)
     return jax.device_get(weights.to_pure_dict()), local_config(saved, dropless)

@@ -10,12 +10,25 @@ reshapes it (and drops or adds the padding); readers of the weights get model
 order. Orbax writes into a temporary directory and renames it when complete, so
 a checkpoint exists only once whole; a process killed mid-save leaves the
 previous one as the latest.
+
+Faults lose nothing and say one line. A save that fails (no space, permission,
+I/O) stops the run at once (`Saver`), its partial directory removed, the last
+complete checkpoint kept. A checkpoint that does not read back whole is skipped
+for the newest older one that does (`newest_readable`), with a line naming it and
+what is wrong; it is never deleted, and a resumed run sets it aside under another
+name (`set_aside`) so that new saves neither collide with it nor count it among
+the checkpoints they keep.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import shutil
+import sys
+import threading
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import jax
 import numpy as np
@@ -42,7 +55,14 @@ WEIGHTS_SINCE = 1  # the oldest format whose params and router biases load
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message says which and why."""
+    """A checkpoint that cannot be used or saved; the message says which and why."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose files do not read back: missing, truncated, corrupt."""
+
+
+T = TypeVar("T")
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -64,6 +84,89 @@ def save(manager: ocp.CheckpointManager, state: TrainState, data_state: dict,
             "moe_stack": None if stack is None else list(stack)}
     manager.save(int(state.step), args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+
+
+class Saver:
+    """A run's saves: orbax's asynchronous, atomic saves that end the run at the first
+    failure. Orbax reports a failed background save only in its logs (a traceback per
+    thread) and raises it at a later save; here its first error is kept and the log
+    records dropped, and `check` (each step), `save` and `finish` raise it as one
+    CheckpointError naming the step, the directory and the reason, once the partial
+    directory is removed."""
+
+    def __init__(self, run_dir: str | Path, cfg: Config):
+        self.manager = checkpoint_manager(run_dir, cfg)
+        self.directory = checkpoint_dir(run_dir)
+        self.pending: int | None = None  # the step of the save in flight
+        self.error: str | None = None
+        logging.getLogger("absl").addFilter(self._capture)
+        _quiet_failed_io()
+
+    def _capture(self, record: logging.LogRecord) -> bool:
+        """Keeps orbax's first error (from any thread) and drops its log records."""
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+            return True
+        if self.error is None:
+            reason = str(record.exc_info[1]) if record.exc_info else record.getMessage()
+            self.error = reason.strip().splitlines()[0] if reason.strip() else "unknown error"
+        return False
+
+    def save(self, state: TrainState, data_state: dict, steps: Steps) -> None:
+        self.check()
+        try:
+            save(self.manager, state, data_state, steps)
+        except Exception as e:  # noqa: BLE001: a synchronous failure of the same save
+            self.error = self.error or f"{type(e).__name__}: {e}"
+        self.pending = int(state.step)
+        self.check()
+
+    def check(self) -> None:
+        """Raises if a save has failed; a finished save whose step is missing failed."""
+        if self.pending is not None and self.error is None and \
+                not self.manager.is_saving_in_progress():
+            if self.pending not in complete_steps(self.directory):
+                self.error = "the save did not complete"
+            else:
+                self.pending = None
+        if self.error is not None:
+            self._fail()
+
+    def finish(self) -> None:
+        """Waits for the save in flight; raises if it failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001: orbax re-raises its background failure
+            self.error = self.error or f"{type(e).__name__}: {e}"
+        self.check()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps() or [])
+
+    def close(self) -> None:
+        logging.getLogger("absl").removeFilter(self._capture)
+
+    def _fail(self):
+        # the failed save's other writers end first (their errors, logged, dropped);
+        # the filter stays: the run ends with this error
+        try:
+            self.manager.wait_until_finished()
+        except Exception:  # noqa: BLE001: the same failure, raised again
+            pass
+        for partial in self.directory.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        kept = [s for s in complete_steps(self.directory) if s != self.pending]
+        raise CheckpointError(
+            f"saving checkpoint {self.pending} in {self.directory} failed: {_reason(self.error)}; "
+            + (f"the last complete one, step {kept[-1]}, is kept" if kept else
+               "there is no complete checkpoint"))
+
+
+def _reason(error: str) -> str:
+    """The operating system's words where an error ends with them (a write that found
+    no space: orbax's message ends "... : No space left on device [os_error_code='28']")."""
+    import re
+    m = re.search(r": ([^:]*?) \[os_error_code='(\d+)'\]\s*$", error)
+    return f"{m.group(1)} (errno {m.group(2)})" if m else error[:300]
 
 
 # ---------------------------------------------------------------- the saved MoE stack
@@ -177,21 +280,72 @@ def complete_steps(directory: str | Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def read_meta(directory: str | Path, step: int | None = None,
-              weights_only: bool = False) -> tuple[int, dict]:
-    """(step, meta) of the latest (or given) complete checkpoint; checks the format
+def newest_readable(directory: str | Path, read: Callable[[int], T], step: int | None = None,
+                    fall_back: bool = True, agree: Callable[[bool], bool] = bool
+                    ) -> tuple[int, T, list[tuple[int, str]]]:
+    """(step, read(step), the damaged steps skipped with why): `read` of the newest
+    complete checkpoint that reads back, or of `step` (no falling back from a step
+    asked for). A damaged one (`read` raises CheckpointDamaged) is skipped with a line
+    on stderr naming it and what is wrong, unless `fall_back` is off; `agree` makes
+    every process skip the same ones (`distributed.any_process`)."""
+    directory = Path(directory)
+    candidates = [step] if step is not None else complete_steps(directory)[::-1]
+    if not candidates:
+        raise CheckpointError(f"no complete checkpoint in {directory}")
+    damaged = []
+    for s in candidates:
+        try:
+            result, failed = read(s), None
+        except CheckpointDamaged as e:
+            result, failed = None, e
+        if not agree(failed is not None):
+            for bad, why in damaged:  # said once per process, whoever reads it again
+                if (key := str((directory / str(bad)).absolute())) not in _SKIPPED:
+                    _SKIPPED.add(key)
+                    print(f"skipping {why}", file=sys.stderr)
+            return s, result, damaged
+        if failed is None:
+            failed = CheckpointDamaged(f"checkpoint {directory / str(s)} failed to read on "
+                                       "another process")
+        if step is not None or not fall_back or len(candidates) == 1:
+            raise failed
+        damaged.append((s, str(failed)))
+    raise CheckpointError(f"no checkpoint in {directory} reads back: "
+                          + "; ".join(why for _, why in damaged))
+
+
+_SKIPPED: set[str] = set()
+
+
+def set_aside(directory: str | Path, step: int) -> Path:
+    """Renames a damaged checkpoint out of the steps' names (`STEP.damaged`, then
+    `.damaged-2`, ...): kept, and no longer a step for a save to collide with or for
+    the manager to count among those it keeps."""
+    directory = Path(directory)
+    target, n = directory / f"{step}.damaged", 1
+    while target.exists():
+        n += 1
+        target = directory / f"{step}.damaged-{n}"
+    (directory / str(step)).rename(target)
+    return target
+
+
+def read_meta(directory: str | Path, step: int | None = None, weights_only: bool = False,
+              fall_back: bool = True) -> tuple[int, dict]:
+    """(step, meta) of the newest complete checkpoint whose metadata reads (or of the
+    given one; `fall_back` off: of the newest, damaged or not); checks the format
     (older formats are readable when only the weights are wanted)."""
     directory = Path(directory)
-    steps = complete_steps(directory)
-    if not steps:
-        raise CheckpointError(f"no complete checkpoint in {directory}")
-    step = steps[-1] if step is None else step
+    if step is None:  # the newest whose metadata reads
+        step, (_, meta), _ = newest_readable(
+            directory, lambda s: read_meta(directory, s, weights_only), fall_back=fall_back)
+        return step, meta
     path = directory / str(step) / "meta" / "metadata"
     try:
         meta = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {directory / str(step)} is corrupt: cannot read "
-                              f"its metadata ({type(e).__name__})") from None
+        raise CheckpointDamaged(f"checkpoint {directory / str(step)} is corrupt: cannot read "
+                                f"its metadata ({type(e).__name__})") from None
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {directory / str(step)} has format version {version}; "
@@ -272,6 +426,27 @@ def restore(directory: str | Path, steps: Steps, step: int | None = None) -> tup
     return jax.tree.unflatten(treedef, leaves), meta["data"]
 
 
+def resume(directory: str | Path, steps: Steps, fall_back: bool = True,
+           agree: Callable[[bool], bool] = bool) -> tuple[TrainState, dict, int, list]:
+    """(state, data state, step, the damaged steps skipped): `restore` of the newest
+    checkpoint that reads back whole (`newest_readable`)."""
+    step, (state, data), damaged = newest_readable(
+        directory, lambda s: restore(directory, steps, s), fall_back=fall_back, agree=agree)
+    return state, data, step, damaged
+
+
+def load_weights(directory: str | Path, step: int | None = None
+                 ) -> tuple[nnx.State, Config, int, dict]:
+    """(weights, config, step, meta) of the newest checkpoint whose weights read back
+    (or of `step`): `restore_weights`, for the readers of a run (`export`, `eval`,
+    `load_params`)."""
+    def read(s):
+        return (*restore_weights(directory, s), read_meta(directory, s, weights_only=True)[1])
+
+    step, (weights, cfg, meta), _ = newest_readable(directory, read, step)
+    return weights, cfg, step, meta
+
+
 def restore_weights(directory: str | Path, step: int | None = None) -> tuple[nnx.State, Config]:
     """Parameters and router biases of a checkpoint on one device, MoE layers in
     model order (whatever the layout they trained under), with the config they
@@ -296,18 +471,67 @@ def _read_state(directory: Path, step: int, args):
     """The saved state item, read through `args`; damage becomes a CheckpointError.
 
     Damaged files surface from orbax as OSError (missing files), ValueError (bad
-    JSON) or a bare Exception (TensorStore read errors); any other type is a bug
-    and propagates as itself.
+    JSON, DATA_LOSS from TensorStore), KeyError (a missing item) or a bare
+    Exception (TensorStore read errors); any other type is a bug and propagates as
+    itself.
     """
     directory = Path(directory).absolute()
+    _quiet_failed_io()
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
         read_only=True, create=False))
     try:
         return manager.restore(step, args=ocp.args.Composite(state=args))["state"]
     except Exception as e:
-        if not (isinstance(e, (OSError, ValueError)) or type(e) is Exception):
+        if not (isinstance(e, (OSError, ValueError, KeyError)) or type(e) is Exception):
             raise
-        raise CheckpointError(f"checkpoint {directory / str(step)} is corrupt or unreadable: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+        what = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        raise CheckpointDamaged(f"checkpoint {directory / str(step)} is corrupt or unreadable: "
+                                f"{type(e).__name__}: {_first_line(what)}") from None
     finally:
         manager.close()
+
+
+def _first_line(message: str) -> str:
+    """A message's first line, with TensorStore's spec repr ("See full TensorStore
+    details: <bound method ...>") cut off."""
+    line = (message.strip().splitlines() or [""])[0]
+    return line.split(" See full TensorStore details")[0][:200]
+
+
+_QUIETED = threading.Lock()
+
+
+def _quiet_failed_io() -> None:
+    """Once per process: the echoes of a failed read or write drop out of stderr.
+    After a damaged file fails a read (or a full disk a write), TensorStore's
+    callbacks still post to orbax's closed event loop ("RuntimeError: Event loop is
+    closed", a traceback per array, as unraisable exceptions) and orbax's abandoned
+    coroutines report themselves (through the asyncio logger); the failure itself is reported once, as a
+    CheckpointError."""
+    if not _QUIETED.acquire(blocking=False):
+        return
+    hook, thread_hook, unraisable_hook = sys.excepthook, threading.excepthook, sys.unraisablehook
+
+    def closed(e) -> bool:
+        return isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+
+    def on_error(kind, value, tb):
+        if not closed(value):
+            hook(kind, value, tb)
+
+    def on_thread(args):
+        if not closed(args.exc_value):
+            thread_hook(args)
+
+    def on_unraisable(unraisable):  # TensorStore's callbacks report through it, without object
+        if not (closed(unraisable.exc_value) or "orbax" in repr(unraisable.object)):
+            unraisable_hook(unraisable)
+
+    def abandoned(record: logging.LogRecord) -> bool:  # asyncio's "... never retrieved"
+        if "never retrieved" not in record.getMessage() or not record.exc_info:
+            return True
+        return not any(word in str(record.exc_info[1]) or word in repr(record.exc_info[1])
+                       for word in ("TensorStore", "DATA_LOSS", "orbax", "Event loop is closed"))
+
+    sys.excepthook, threading.excepthook, sys.unraisablehook = on_error, on_thread, on_unraisable
+    logging.getLogger("asyncio").addFilter(abandoned)

@@ -157,6 +157,9 @@ class DataConfig:
     tokenizer: str = "bytes"
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # of index-less raw shards
     heldout_fraction: float = 0.05
+    # text: a binary file (a NUL byte) or one not UTF-8 stops the run (refuse), has its
+    # bad bytes replaced by U+FFFD (replace; binary files still stop it), or is left out
+    bad_text: Literal["refuse", "replace", "skip"] = "refuse"
     prefetch: int = 2  # batches read ahead in a background thread; 0: none
 
 
@@ -220,6 +223,9 @@ class CheckpointConfig:
     every: int = 0  # save every N steps; 0: only at the end
     keep: int = 2  # keep the last K checkpoints
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of N; 0: none
+    # a newer checkpoint that does not read back whole: resume from the newest one that
+    # does, the damaged one set aside (renamed, kept); false: refuse to resume
+    skip_damaged: bool = True
 
 
 @dataclass(frozen=True)
@@ -275,6 +281,12 @@ def check_expert_split(num_experts: int, expert: int) -> None:
              f"{num_experts} experts cannot be split over mesh.expert={expert}")
 
 
+# numbers that must be above zero; the others of these sections must not be below it
+_POSITIVE = {f"model.{k}" for k in ("vocab_size", "d_model", "num_layers", "num_heads",
+                                    "num_kv_heads")} | {"train.steps", "train.batch_size",
+                                                        "train.seq_len", "train.max_bad_steps"}
+
+
 def validate(c: Config) -> None:
     """Cross-field checks; each names the key at fault."""
     m, moe, t, o = c.model, c.moe, c.train, c.optimizer
@@ -284,11 +296,10 @@ def validate(c: Config) -> None:
         for part in sec_name.split("."):
             sec = getattr(sec, part)
         for f in dataclasses.fields(sec):
-            v = getattr(sec, f.name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
-                raise ConfigError(f"{sec_name}.{f.name}: must be >= 0, got {v}")
-    for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
-        _require(getattr(m, key) > 0, f"model.{key}", "must be positive")
+            v, key = getattr(sec, f.name), f"{sec_name}.{f.name}"
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                _require(v > 0 if key in _POSITIVE else v >= 0, key,
+                         f"must be {'positive' if key in _POSITIVE else '>= 0'}, got {v}")
     _require(m.num_heads % m.num_kv_heads == 0, "model.num_heads",
              f"{m.num_heads} heads are not divisible by num_kv_heads={m.num_kv_heads}")
     if not m.head_dim:
@@ -355,9 +366,6 @@ def validate(c: Config) -> None:
     A = max(t.accumulation_steps, 1)
     _require(P > 0 and (t.batch_size // A) % P == 0, "pipeline.stage_microbatches",
              f"{P} does not divide the batch of one accumulation step, {t.batch_size // A}")
-    _require(t.steps > 0, "train.steps", "must be positive")
-    _require(t.batch_size > 0 and t.seq_len > 0, "train.batch_size",
-             "batch_size and seq_len must be positive")
     _require(t.accumulation_steps > 0 and t.batch_size % t.accumulation_steps == 0,
              "train.accumulation_steps", f"batch_size={t.batch_size} is not divisible by "
              f"accumulation_steps={t.accumulation_steps}")
@@ -406,7 +414,6 @@ def validate(c: Config) -> None:
     _require(all(name.strip() for name in t.evals.tasks), "train.evals.tasks", "empty task name")
     _require(all(p.strip() for p in t.evals.include_path), "train.evals.include_path", "empty path")
     _require(c.checkpoint.keep > 0, "checkpoint.keep", "must keep at least one checkpoint")
-    _require(t.max_bad_steps > 0, "train.max_bad_steps", "must be positive")
 
 
 # ---------------------------------------------------------------- loading
@@ -539,12 +546,33 @@ def config_from_dict(raw: dict, overrides: typing.Sequence[str] = ()) -> Config:
     return _build(Config, raw, "")
 
 
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key that a mapping repeats (the plain loader keeps
+    the last, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        lines = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in lines:
+                raise _DuplicateKey(f"key {key!r} appears twice in one section (lines "
+                                    f"{lines[key]} and {key_node.start_mark.line + 1})")
+            lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeys)  # noqa: S506: a safe loader
+    except _DuplicateKey as e:
+        raise ConfigError(f"config file {path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}".replace("\n", " ")) from None
     return config_from_dict(raw, overrides)

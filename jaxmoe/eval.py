@@ -391,9 +391,8 @@ def from_checkpoint(path: str, batch_size: int = 16, max_length: int | None = No
     if batch_size < 1:
         raise EvalError(f"batch size: must be positive, got {batch_size}")
     directory, found = checkpoint.locate(path)
-    found, meta = checkpoint.read_meta(directory, found if step is None else int(step),
-                                       weights_only=True)
-    saved = checkpoint.saved_config(meta)
+    weights, saved, found, _ = checkpoint.load_weights(directory,
+                                                       found if step is None else int(step))
     vocab = load_tokenizer(tokenizer) if tokenizer else run_tokenizer(
         checkpoint.run_dir_of(path), saved)
     check_vocab(vocab, saved.model.vocab_size)
@@ -405,7 +404,6 @@ def from_checkpoint(path: str, batch_size: int = 16, max_length: int | None = No
     cfg, mesh = eval_config(saved, batch_size, max_length,
                             [overrides] if isinstance(overrides, str) else list(overrides))
     steps = build_steps(cfg, mesh)
-    weights, _ = checkpoint.restore_weights(directory, found)
     model_order = jax.device_get(weights.to_pure_dict())
     params, buffers = place_weights(steps, model_order)
     local = api.local_config(saved)

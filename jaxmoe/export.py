@@ -60,10 +60,8 @@ def named_tensors(params: nnx.State, cfg: Config) -> dict[str, tuple[np.ndarray,
 def export(checkpoint_path: str | Path, out: str | Path) -> dict[str, tuple]:
     from safetensors.numpy import save_file
 
-    directory, step = checkpoint.locate(checkpoint_path)
-    step, meta = checkpoint.read_meta(directory, step, weights_only=True)
     # router biases steer expert selection, so they belong with the weights
-    weights, cfg = checkpoint.restore_weights(directory, step)
+    weights, cfg, step, meta = checkpoint.load_weights(*checkpoint.locate(checkpoint_path))
     tensors = named_tensors(weights, cfg)
     metadata = {"format": "jaxmoe", "step": str(step), "config": json.dumps(meta["config"]),
                 "axes": json.dumps({k: axes for k, (_, axes) in tensors.items()})}
@@ -77,8 +75,7 @@ def export_hf(checkpoint_path: str | Path, out: str | Path, dtype: str = "float3
     tokenizer (or `tokenizer`: a tokenizer.json, its directory, or "bytes"); returns
     its config. A run that holds no tokenizer for its ids (raw token shards) is
     written without one, saying so."""
-    directory, step = checkpoint.locate(checkpoint_path)
-    step, meta = checkpoint.read_meta(directory, step, weights_only=True)
+    weights, cfg, step, meta = checkpoint.load_weights(*checkpoint.locate(checkpoint_path))
     saved = checkpoint.saved_config(meta)
     if tokenizer:
         tokenizer = load_tokenizer(tokenizer)
@@ -90,7 +87,6 @@ def export_hf(checkpoint_path: str | Path, out: str | Path, dtype: str = "float3
             tokenizer = None
     if tokenizer is not None:
         check_vocab(tokenizer, saved.model.vocab_size)
-    weights, cfg = checkpoint.restore_weights(directory, step)
     params = jax.tree.map(np.asarray, weights.to_pure_dict())  # host arrays, not copies
     del weights
     return hf.save_hf(params, cfg, out, dtype=dtype, tokenizer=tokenizer, shard_bytes=shard_bytes)

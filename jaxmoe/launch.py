@@ -94,10 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = None
     try:
         while failed is None and any(p.poll() is None for p in procs):
-            failed = next((i for i, p in enumerate(procs) if p.poll()), None)
+            failed = next((i for i, p in enumerate(procs) if p.poll() and not _stopped(p)), None)
             time.sleep(0.05)
         if failed is None:
-            failed = next((i for i, p in enumerate(procs) if p.returncode), None)
+            failed = next((i for i, p in enumerate(procs) if p.returncode and not _stopped(p)),
+                          None)
         if failed is not None:
             _stop(procs)
     finally:
@@ -105,14 +106,20 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, handler)
     for r in readers:
         r.join(timeout=GRACE_S)
-    if failed is None:
-        return 0
+    if failed is None:  # finished, or stopped together by a signal (128 + its number)
+        return max(p.returncode for p in procs)
     code = procs[failed].returncode
     others = ", ".join(f"{i}: {_exit_status(p.returncode)}" for i, p in enumerate(procs)
                        if i != failed)
     print(f"jaxmoe.launch: process {failed} of {args.num_processes} failed with "
           f"{_exit_status(code)}; the others: {others}", file=sys.stderr)
     return code if code > 0 else 1
+
+
+def _stopped(proc: subprocess.Popen) -> bool:
+    """Whether a process left because it was asked to stop (SIGTERM or SIGINT, here or
+    forwarded): it saved and exits 128 + the signal's number, as the others will."""
+    return proc.returncode in (128 + signal.SIGTERM, 128 + signal.SIGINT)
 
 
 if __name__ == "__main__":

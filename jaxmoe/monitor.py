@@ -22,10 +22,31 @@ def to_python(metrics: dict) -> dict:
     return out
 
 
+def superseded(path: Path, step: int) -> None:
+    """A resumed run's metrics.jsonl without the records of steps after `step` (a
+    crash after the checkpoint it resumes from logged them, and the run logs them
+    again); they move to metrics.superseded.jsonl, nothing is lost."""
+    if not path.exists():
+        return
+    keep, later = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            after = json.loads(line).get("step", 0) > step
+        except (ValueError, AttributeError):  # a line cut short by the crash
+            after = True
+        (later if after else keep).append(line)
+    if later:
+        with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
+            f.writelines(later)
+        path.write_text("".join(keep))
+
+
 class Monitor:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: bool,
                  sinks: list = (), active: bool = True):
         self.active = active
+        if active and start_step:
+            superseded(run_dir / "metrics.jsonl", start_step)
         self.file = open(run_dir / "metrics.jsonl", "a") if active else None
         self.sinks = list(sinks)  # see jaxmoe.sinks
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not (progress and active),

@@ -201,6 +201,10 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     if target == "cpu":
         stand_ins, notes = _cpu_stand_ins(cfg)
         cfg = load_config(config_path, overrides + stand_ins)
+    devices = cfg.mesh.data * cfg.mesh.expert * cfg.mesh.stage
+    print(f"compiling the train step for {devices} "
+          + ("fake CPU devices" if target == "cpu" else f"virtual {target.upper()}s (XLA:GPU)")
+          + " ...", flush=True)
     with tempfile.TemporaryDirectory() as dump:
         compiled, steps, abstract = compile_train_step(cfg, None if target == "cpu" else target,
                                                        dump_to=dump)

@@ -2,19 +2,29 @@
 
 Tokenizes a corpus into flat token shards for `data.source: tokens`. Inputs are
 text files (one document each), directories of them (.txt, .md, .py, and .jsonl
-files), JSON Lines files (`.jsonl`, `.json`, optionally `.gz`; one document per
-line, in the field `--text-field`), or a Hugging Face `datasets` dataset saved
-with `save_to_disk` (one document per row). Every document is followed by one EOS; a document goes to
-the held-out split when a hash of its text says so (`--heldout-fraction`), so
-duplicates always land on the same side.
+files; the others are skipped and counted), JSON Lines files (`.jsonl`, `.json`,
+optionally `.gz`; one document per line, in the field `--text-field`), or a Hugging
+Face `datasets` dataset saved with `save_to_disk` (one document per row). Every
+document is followed by one EOS; a document goes to the held-out split when a hash
+of its text says so (`--heldout-fraction`), so duplicates always land on the same
+side. Empty documents (whitespace at most) are skipped. A file or line that is
+binary (holds a NUL byte) or not UTF-8 is refused, naming the file and byte, unless
+`--bad-text` says to skip it or (not UTF-8 only) to decode its bad bytes as U+FFFD.
+The index counts what was read, skipped (by reason) and replaced; so does the last
+line printed.
 
 The work is cut into units of about `--unit-mb` of input, tokenized by parallel
 worker processes. Unit u writes `train-u.bin` and `val-u.bin` (little-endian
 uint16 when the vocabulary fits, else uint32) under temporary names, renames them
 when complete, and records them in `unit-u.json` last; `index.json`, which the
-loader reads, is written when every unit is done. Interrupted, a second run with
-the same inputs and options resumes from the units already recorded; with other
-inputs or options it starts clean.
+loader reads, is written when every unit is done, with each shard's SHA-256.
+
+`prepare.json` records the plan: the inputs, the size and SHA-256 of every file
+read (hashed again only when its size or mtime moved), the tokenizer and the
+options. Interrupted, a second run with the same plan resumes from the units
+already recorded; an unfinished preparation of another plan is discarded. A
+finished preparation is never replaced unless `--rebuild` says so: a run with
+other inputs or options names what changed and stops.
 """
 
 from __future__ import annotations
@@ -29,13 +39,16 @@ import os
 import re
 import sys
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from jaxmoe.data import INDEX_FILE, INDEX_FORMAT, TEXT_SUFFIXES, walk_files
+from jaxmoe.data import (BAD_TEXT, INDEX_FILE, INDEX_FORMAT, SCAN_SUFFIX, TEXT_SUFFIXES,
+                         DataError, bad_text_message, decode_text, describe_counts, text_problem,
+                         walk_files)
 from jaxmoe.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 PLAN_FILE = "prepare.json"
@@ -44,6 +57,7 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 DIRECTORY_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".jsonl.gz")  # a .json in a tree may be anything
 DATASET_MARKERS = ("dataset_info.json", "state.json")  # what save_to_disk writes
 ROWS_PER_UNIT = 20_000  # dataset rows per unit
+HASH_THREADS = 8  # files read at once while planning (hashing releases the GIL)
 
 
 class PrepareError(ValueError):
@@ -67,10 +81,11 @@ def _is_dataset(p: Path) -> bool:
     return p.is_dir() and all((p / m).is_file() for m in DATASET_MARKERS)
 
 
-def plan_units(inputs: list[str], unit_bytes: int) -> list[Unit]:
-    """The inputs cut into units, in a fixed order (a pure function of the inputs)."""
-    units: list[Unit] = []
-    texts: list[tuple[str, int]] = []
+def find_inputs(inputs: list[str]) -> tuple[list[tuple[str, str]], Counter]:
+    """(kind, absolute path) of every text file, JSON Lines file and saved dataset the
+    inputs name, in order, and the count of files in their directories skipped for
+    their suffix."""
+    found, skipped = [], Counter()
     for raw in inputs:
         p = Path(raw).expanduser().absolute()
         if not p.exists():
@@ -80,27 +95,95 @@ def plan_units(inputs: list[str], unit_bytes: int) -> list[Unit]:
             raise PrepareError(f"input {raw} is a DatasetDict; name one split's directory "
                                f"(one of: {', '.join(str(p / s) for s in splits)})")
         if _is_dataset(p):
-            rows = _dataset(str(p), "").num_rows
-            units += [Unit("dataset", (str(p),), a, min(a + ROWS_PER_UNIT, rows))
-                      for a in range(0, rows, ROWS_PER_UNIT)]
+            found.append(("dataset", str(p)))
             continue
         if p.is_dir():
-            files = [p / rel for rel in walk_files(p, DIRECTORY_SUFFIXES)]
+            files = [p / rel for rel in walk_files(p, DIRECTORY_SUFFIXES, skipped=skipped)]
             if not files:
                 raise PrepareError(f"input directory {raw} holds no "
                                    f"{'/'.join(DIRECTORY_SUFFIXES)} files")
         else:
-            files = [p]
-        for f in files:
-            size = f.stat().st_size
-            if f.name.endswith(JSONL_SUFFIXES):
-                if f.name.endswith(".gz") or size <= unit_bytes:
-                    units.append(Unit("jsonl", (str(f),), 0, -1))
-                else:
-                    units += [Unit("jsonl", (str(f),), a, min(a + unit_bytes, size))
-                              for a in range(0, size, unit_bytes)]
-            else:
-                texts.append((str(f), size))
+            files = [p]  # named: taken whatever its suffix
+        found += [("jsonl" if f.name.endswith(JSONL_SUFFIXES) else "text", str(f)) for f in files]
+    return found, skipped
+
+
+def _inspect(kind: str, path: str, known: dict[str, dict]) -> list[tuple[dict, int]]:
+    """What the plan records of the files behind one input, each with its mtime before
+    it was read: path, size and SHA-256, and for a text file what makes it no document
+    ("empty", "binary", "not UTF-8") with the byte that shows it. `known` holds the
+    records of files whose size and mtime have not moved: those are not read again."""
+    files = sorted(f for f in Path(path).rglob("*") if f.is_file()) if kind == "dataset" \
+        else [Path(path)]
+    records = []
+    for f in files:
+        mtime = f.stat().st_mtime_ns
+        if str(f) in known:
+            records.append((known[str(f)], mtime))
+        elif kind != "text":
+            with open(f, "rb") as fh:
+                size, digest = os.fstat(fh.fileno()).st_size, hashlib.file_digest(fh, "sha256")
+            records.append(({"path": str(f), "bytes": size, "sha256": digest.hexdigest()}, mtime))
+        else:
+            raw = f.read_bytes()
+            record = {"path": str(f), "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+            if not raw.strip():
+                record["problem"] = "empty"
+            elif problem := text_problem(raw):
+                record.update(problem=problem[0], at=problem[1], value=raw[problem[1]])
+            records.append((record, mtime))
+    return records
+
+
+def inspect_inputs(found: list[tuple[str, str]], known: dict[str, dict],
+                   progress: bool) -> list[list[tuple[dict, int]]]:
+    """_inspect of every input, several files at once."""
+    with concurrent.futures.ThreadPoolExecutor(HASH_THREADS) as pool, \
+            tqdm(total=len(found), unit="input", disable=not progress, desc="hashing") as bar:
+        futures = [pool.submit(_inspect, kind, path, known) for kind, path in found]
+        for future in concurrent.futures.as_completed(futures):
+            bar.update()
+        return [future.result() for future in futures]
+
+
+def take(found: list[tuple[str, str]], records: list[list[dict]],
+         bad_text: str) -> tuple[list[tuple[str, str, int]], Counter]:
+    """(kind, path, bytes) of the inputs to read, and the count of text files skipped by
+    reason; a file `bad_text` does not take is an error."""
+    taken, skipped, refused = [], Counter(), []
+    for (kind, path), recs in zip(found, records):
+        problem = recs[0].get("problem") if kind == "text" else None
+        if problem == "empty" or problem and bad_text == "skip":
+            skipped[f"skipped {problem}"] += 1
+        elif problem and not (problem == "not UTF-8" and bad_text == "replace"):
+            refused.append(recs[0])
+        else:
+            taken.append((kind, path, sum(r["bytes"] for r in recs)))
+    if refused:
+        r = refused[0]
+        k = len(refused) - 1
+        more = f" ({k} more binary or non-UTF-8 file{'s' * (k > 1)})" * (k > 0)
+        raise PrepareError(bad_text_message(r["path"], r["problem"], r["at"], r["value"],
+                                            "--bad-text") + more)
+    return taken, skipped
+
+
+def plan_units(taken: list[tuple[str, str, int]], unit_bytes: int) -> list[Unit]:
+    """The inputs taken cut into units, in a fixed order (a pure function of them)."""
+    units: list[Unit] = []
+    texts: list[tuple[str, int]] = []
+    for kind, path, size in taken:
+        if kind == "dataset":
+            rows = _dataset(path, "").num_rows
+            units += [Unit("dataset", (path,), a, min(a + ROWS_PER_UNIT, rows))
+                      for a in range(0, rows, ROWS_PER_UNIT)]
+        elif kind == "jsonl" and not path.endswith(".gz") and size > unit_bytes:
+            units += [Unit("jsonl", (path,), a, min(a + unit_bytes, size))
+                      for a in range(0, size, unit_bytes)]
+        elif kind == "jsonl":
+            units.append(Unit("jsonl", (path,), 0, -1))
+        else:
+            texts.append((path, size))
     group, group_bytes = [], 0
     for f, size in texts:  # small text files share a unit
         if group and group_bytes + size > unit_bytes:
@@ -110,26 +193,31 @@ def plan_units(inputs: list[str], unit_bytes: int) -> list[Unit]:
         group_bytes += size
     if group:
         units.append(Unit("text", tuple(group)))
-    if not units:
-        raise PrepareError("no documents: the inputs are empty")
     return units
 
 
-def plan_id(inputs: list[str], units: list[Unit], tokenizer: Tokenizer, options: dict) -> dict:
-    """What a run's output depends on (the files it reads, their sizes and times, the
-    tokenizer's contents, the options): a resumed run must match it exactly."""
-    read = []
-    for unit in units:
-        for p in map(Path, unit.paths):
-            for f in sorted(p.rglob("*")) if p.is_dir() else [p]:  # a dataset's files
-                if f.is_file():
-                    st = f.stat()
-                    read.append([str(f), st.st_size, st.st_mtime_ns])
-    digest = hashlib.sha256(json.dumps(sorted(read)).encode()).hexdigest()
-    t = tokenizer.describe()
-    return {"inputs": [str(Path(i).expanduser().absolute()) for i in inputs], "files_sha256": digest,
-            "tokenizer": {k: t[k] for k in ("sha256", "vocab_size", "eos_id", "bos_id")},
-            **options}
+def plan_changes(old: dict, new: dict) -> str:
+    """What differs between an earlier plan and this one, in words."""
+    if "files" not in old:
+        return "it was made by an earlier jaxmoe.prepare, which recorded no content hashes"
+    before = {f["path"]: f["sha256"] for f in old["files"]}
+    now = {f["path"]: f["sha256"] for f in new["files"]}
+    said = []
+    for word, paths in (("changed", [p for p in now if p in before and before[p] != now[p]]),
+                        ("added", [p for p in now if p not in before]),
+                        ("removed", [p for p in before if p not in now])):
+        if paths:
+            more = f" and {len(paths) - 2} more" if len(paths) > 2 else ""
+            said.append(f"{len(paths)} file{'s' * (len(paths) > 1)} {word}: "
+                        f"{', '.join(paths[:2])}{more}")
+    if not said and old.get("inputs") != new["inputs"]:
+        said.append(f"the inputs were {' '.join(old.get('inputs', []))}")
+    if old.get("tokenizer") != new["tokenizer"]:
+        said.append("another tokenizer")
+    for key in ("text_field", "heldout_fraction", "unit_mb", "bad_text"):
+        if old.get(key) != new[key]:
+            said.append(f"--{key.replace('_', '-')} was {old.get(key)}, now {new[key]}")
+    return "; ".join(said) or "a field of prepare.json"
 
 
 # ---------------------------------------------------------------- reading documents
@@ -149,12 +237,14 @@ def _dataset(path: str, text_field: str):
 
 
 def _jsonl_lines(path: str, start: int, stop: int):
-    """(where, line) of the lines that start in [start, stop); bytes that are not
-    UTF-8 are replaced, as in text files."""
+    """(line number or None, offset, bytes) of the lines that start in [start, stop); a
+    .gz file is read whole, its lines numbered, its offsets in uncompressed bytes."""
     if path.endswith(".gz"):
-        with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+        at = 0
+        with gzip.open(path, "rb") as f:
             for number, line in enumerate(f, 1):
-                yield f"line {number}", line
+                yield number, at, line
+                at += len(line)
         return
     with open(path, "rb") as f:
         if start:
@@ -165,35 +255,62 @@ def _jsonl_lines(path: str, start: int, stop: int):
             line = f.readline()
             if not line:
                 return
-            yield f"byte {at}", line.decode("utf-8", errors="replace")
+            yield None, at, line
 
 
-def documents(unit: Unit, text_field: str):
-    """The unit's documents, as strings."""
-    if unit.kind == "text":
-        for f in unit.paths:
-            yield Path(f).read_bytes().decode("utf-8", errors="replace")
-    elif unit.kind == "jsonl":
-        path = unit.paths[0]
-        for where, line in _jsonl_lines(path, unit.start, unit.stop):
-            if not line.strip():
+def _decode(raw: bytes, where: str, start: int, bad_text: str, counts: Counter) -> str | None:
+    try:
+        return decode_text(raw, where, bad_text, counts, "--bad-text", start)
+    except DataError as e:
+        raise PrepareError(str(e)) from None
+
+
+def documents(unit: Unit, text_field: str, bad_text: str, counts: Counter):
+    """The unit's documents, as strings; the empty ones and those `bad_text` skips are
+    counted in `counts` instead."""
+    def nonempty(texts):
+        for text in texts:
+            if text is None:
                 continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise PrepareError(f"{path} ({where}): not a JSON line ({e})") from None
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise PrepareError(f"{path} ({where}): no string field {text_field!r}; pass "
-                                   f"--text-field with the field that holds the text")
+            if not text.strip():
+                counts["skipped empty"] += 1
+                continue
+            counts["read"] += 1
             yield text
+
+    if unit.kind == "text":
+        yield from nonempty(_decode(Path(f).read_bytes(), f, 0, bad_text, counts)
+                            for f in unit.paths)
+    elif unit.kind == "jsonl":
+        yield from nonempty(_jsonl_texts(unit, text_field, bad_text, counts))
     else:
         ds = _dataset(unit.paths[0], text_field)
         for text in ds.select(range(unit.start, unit.stop))[text_field]:
             if not isinstance(text, str):
                 raise PrepareError(f"dataset {unit.paths[0]}: column {text_field!r} holds "
                                    f"{type(text).__name__}, not text")
-            yield text
+            yield from nonempty([text])
+
+
+def _jsonl_texts(unit: Unit, text_field: str, bad_text: str, counts: Counter):
+    path = unit.paths[0]
+    for number, at, raw in _jsonl_lines(path, unit.start, unit.stop):
+        if not raw.strip():
+            continue
+        where = f"line {number}" if number else f"byte {at}"
+        line = _decode(raw, f"{path} (line {number}, uncompressed)" if number else path, at,
+                       bad_text, counts)
+        if line is None:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise PrepareError(f"{path} ({where}): not a JSON line ({e})") from None
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise PrepareError(f"{path} ({where}): no string field {text_field!r}; pass "
+                               f"--text-field with the field that holds the text")
+        yield text
 
 
 def is_heldout(text: str, fraction: float) -> bool:
@@ -222,12 +339,13 @@ def _write(path: Path, tokens: np.ndarray) -> None:
 
 
 def tokenize_unit(out: str, number: int, unit: Unit, text_field: str, heldout_fraction: float,
-                  dtype: str, batch: int = 256) -> dict:
+                  dtype: str, bad_text: str = "refuse", batch: int = 256) -> dict:
     """Tokenizes one unit into its two shards and records it; returns the record."""
     tokenizer = _worker_tokenizer
     np_dtype = np.dtype(dtype).newbyteorder("<")
     parts = {"train": [], "val": []}
     counts = {"train": 0, "val": 0}
+    read = Counter()
     texts: list[str] = []
 
     def tokenize_pending():
@@ -237,19 +355,20 @@ def tokenize_unit(out: str, number: int, unit: Unit, text_field: str, heldout_fr
             counts[split] += 1
         texts.clear()
 
-    for text in documents(unit, text_field):
+    for text in documents(unit, text_field, bad_text, read):
         texts.append(text)
         if len(texts) >= batch:
             tokenize_pending()
     tokenize_pending()
-    record = {"unit": number, "shards": []}
+    record = {"unit": number, "shards": [], "counts": dict(read)}
     for split in ("train", "val"):
         tokens = np.concatenate(parts[split]) if parts[split] else np.zeros(0, np_dtype)
         name = f"{split}-{number:05d}.bin"
         _write(Path(out) / name, tokens)
         record["shards"].append({"file": name, "split": split, "tokens": int(len(tokens)),
                                  "documents": counts[split],
-                                 "max_id": int(tokens.max()) if len(tokens) else -1})
+                                 "max_id": int(tokens.max()) if len(tokens) else -1,
+                                 "sha256": hashlib.sha256(tokens).hexdigest()})
     _write_json(Path(out) / f"unit-{number:05d}.json", record)  # last: the unit is done now
     return record
 
@@ -267,13 +386,48 @@ def _write_json(path: Path, value) -> None:
 # ---------------------------------------------------------------- the whole job
 
 
-OUR_FILES = re.compile(rf"((train|val)-\d{{5}}\.bin|unit-\d{{5}}\.json|{re.escape(INDEX_FILE)}"
-                       rf"|{re.escape(PLAN_FILE)})({re.escape(PARTIAL)})?")
+OUR_FILES = re.compile(rf"((train|val)-\d{{5}}\.bin({re.escape(SCAN_SUFFIX)})?|unit-\d{{5}}\.json"
+                       rf"|{re.escape(INDEX_FILE)}|{re.escape(PLAN_FILE)})({re.escape(PARTIAL)})?")
 
 
-def _make_ready(out: Path, plan: dict) -> bool:
-    """Creates `out`, or keeps what it holds of this plan, or (another plan) deletes the
-    files this module writes and nothing else. True when it is complete already."""
+def _earlier(out: Path) -> dict:
+    """What `out` holds of an earlier run: {"plan", "mtime_ns"} (empty when nothing
+    readable; a plan of version 1 is the whole file)."""
+    try:
+        recorded = json.loads((out / PLAN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(recorded, dict):
+        return {}
+    return recorded if "plan" in recorded else {"plan": recorded, "mtime_ns": {}}
+
+
+def _known(earlier: dict) -> dict[str, dict]:
+    """The earlier plan's records of the files whose size and mtime have not moved since."""
+    mtimes, known = earlier.get("mtime_ns", {}), {}
+    for record in earlier.get("plan", {}).get("files", []):
+        try:
+            st = os.stat(record["path"])
+        except OSError:
+            continue
+        if st.st_size == record["bytes"] and mtimes.get(record["path"]) == st.st_mtime_ns:
+            known[record["path"]] = record
+    return known
+
+
+def _is_complete(out: Path) -> bool:
+    try:
+        json.loads((out / INDEX_FILE).read_text())
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _make_ready(out: Path, plan: dict, mtimes: dict[str, int], earlier: dict,
+                rebuild: bool) -> bool:
+    """Creates `out`, or keeps what it holds of this plan, or, holding an unfinished
+    preparation of another (or a finished one, with `rebuild`), deletes the files this
+    module writes and nothing else. True when it is complete already."""
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--out {out} is a file, not a directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -281,33 +435,35 @@ def _make_ready(out: Path, plan: dict) -> bool:
     if existing and not (out / PLAN_FILE).is_file():
         raise PrepareError(f"--out {out} is not empty and was not made by jaxmoe.prepare; "
                            f"choose a new or empty directory")
-    if existing:
-        try:
-            old = json.loads((out / PLAN_FILE).read_text())
-        except ValueError:
-            old = None
-        if old == plan:
-            try:
-                json.loads((out / INDEX_FILE).read_text())
-                return True
-            except (OSError, ValueError):
-                print(f"resuming the preparation in {out}", file=sys.stderr)
-        else:
-            print(f"{out} holds a preparation of other inputs, input files or options: "
-                  f"starting clean", file=sys.stderr)
-            for f in existing:
-                if f.is_file() and OUR_FILES.fullmatch(f.name):
-                    f.unlink()
+    complete = _is_complete(out)
+    if existing and earlier.get("plan") == plan:
+        if complete:
+            if earlier.get("mtime_ns") != mtimes:  # touched, not changed: spare the next hash
+                _write_json(out / PLAN_FILE, {"plan": plan, "mtime_ns": mtimes})
+            return True
+        print(f"resuming the preparation in {out}", file=sys.stderr)
+    elif existing:
+        changes = plan_changes(earlier.get("plan", {}), plan)
+        if complete and not rebuild:
+            raise PrepareError(f"--out {out} holds a finished preparation of other inputs or "
+                               f"options ({changes}); it is kept: pass --rebuild to replace it, "
+                               f"or choose another --out")
+        print(f"{out}: {'replacing the finished' if complete else 'discarding the unfinished'} "
+              f"preparation of other inputs or options ({changes})", file=sys.stderr)
+        # the index first: a half-deleted preparation must not read as a finished one
+        for f in sorted(existing, key=lambda f: f.name != INDEX_FILE):
+            if f.is_file() and OUR_FILES.fullmatch(f.name):
+                f.unlink()
     for f in out.glob(f"*{PARTIAL}"):
         if OUR_FILES.fullmatch(f.name):
             f.unlink()
-    _write_json(out / PLAN_FILE, plan)
+    _write_json(out / PLAN_FILE, {"plan": plan, "mtime_ns": mtimes})
     return False
 
 
 def prepare(inputs: list[str], out: str | Path, tokenizer_spec: str, *, text_field: str = "text",
             heldout_fraction: float = 0.05, workers: int = 0, unit_mb: float = 64,
-            progress: bool = True) -> dict:
+            bad_text: str = "refuse", rebuild: bool = False, progress: bool = True) -> dict:
     """Writes the shards and index; returns the index. workers 0: one per CPU; 1: in
     this process."""
     if not inputs:
@@ -318,30 +474,45 @@ def prepare(inputs: list[str], out: str | Path, tokenizer_spec: str, *, text_fie
         raise PrepareError(f"--unit-mb must be positive, got {unit_mb}")
     if workers < 0:
         raise PrepareError(f"--workers must be 0 (one per CPU) or more, got {workers}")
+    if bad_text not in BAD_TEXT:
+        raise PrepareError(f"--bad-text must be one of {', '.join(BAD_TEXT)}, got {bad_text!r}")
     tokenizer = load_tokenizer(tokenizer_spec)
     dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"  # by the largest id
     options = {"text_field": text_field, "heldout_fraction": heldout_fraction, "unit_mb": unit_mb,
-               "dtype": dtype}
+               "dtype": dtype, "bad_text": bad_text}
     out = Path(out).expanduser().absolute()
-    units = plan_units(inputs, max(int(unit_mb * 2**20), 1))
-    plan = plan_id(inputs, units, tokenizer, options)
-    if _make_ready(out, plan):
+    found, skipped = find_inputs(inputs)
+    earlier = _earlier(out)
+    inspected = inspect_inputs(found, _known(earlier), progress)
+    records = [[r for r, _ in recs] for recs in inspected]
+    taken, skipped_text = take(found, records, bad_text)
+    skipped += skipped_text
+    units = plan_units(taken, max(int(unit_mb * 2**20), 1))
+    if not units:
+        raise PrepareError(f"no documents: {describe_counts(skipped, 'documents')}")
+    t = tokenizer.describe()
+    plan = {"inputs": [str(Path(i).expanduser().absolute()) for i in inputs],
+            "files": [r for recs in records for r in recs],
+            "tokenizer": {k: t[k] for k in ("sha256", "vocab_size", "eos_id", "bos_id")},
+            **options}
+    mtimes = {r["path"]: mtime for recs in inspected for r, mtime in recs}
+    if _make_ready(out, plan, mtimes, earlier, rebuild):
         print(f"{out} already holds this preparation", file=sys.stderr)
         return json.loads((out / INDEX_FILE).read_text())
     itemsize = np.dtype(dtype).itemsize
-    records = {}
+    done = {}
     for n in range(len(units)):
         record = _recorded(out, n, itemsize)
         if record is not None:
-            records[n] = record
-    todo = [n for n in range(len(units)) if n not in records]
-    args = (text_field, heldout_fraction, dtype)
-    bar = tqdm(total=len(units), initial=len(records), unit="unit", disable=not progress,
+            done[n] = record
+    todo = [n for n in range(len(units)) if n not in done]
+    args = (text_field, heldout_fraction, dtype, bad_text)
+    bar = tqdm(total=len(units), initial=len(done), unit="unit", disable=not progress,
                desc="tokenizing")
     if workers == 1 or len(todo) <= 1:
         _init_worker(str(tokenizer_spec), in_a_pool=False)
         for n in todo:
-            records[n] = tokenize_unit(str(out), n, units[n], *args)
+            done[n] = tokenize_unit(str(out), n, units[n], *args)
             bar.update()
     else:
         workers = workers or os.cpu_count() or 1
@@ -351,22 +522,25 @@ def prepare(inputs: list[str], out: str | Path, tokenizer_spec: str, *, text_fie
             futures = {pool.submit(tokenize_unit, str(out), n, units[n], *args): n for n in todo}
             for future in concurrent.futures.as_completed(futures):
                 try:
-                    records[futures[future]] = future.result()
+                    done[futures[future]] = future.result()
                 except BaseException:
                     pool.shutdown(wait=True, cancel_futures=True)  # now, not after the rest
                     raise
                 bar.update()
     bar.close()
-    shards = [s for n in sorted(records) for s in records[n]["shards"] if s["tokens"]]
+    counts = skipped + sum((Counter(done[n].get("counts", {})) for n in done), Counter())
+    shards = [s for n in sorted(done) for s in done[n]["shards"] if s["tokens"]]
     totals = {split: {"tokens": sum(s["tokens"] for s in shards if s["split"] == split),
                       "documents": sum(s["documents"] for s in shards if s["split"] == split)}
               for split in ("train", "val")}
     if not totals["train"]["tokens"]:
-        raise PrepareError("every document went to the held-out split; lower --heldout-fraction")
-    index = {"format": INDEX_FORMAT, "version": 1, "dtype": dtype,
+        raise PrepareError(f"no document went to the train split ({totals['val']['documents']} "
+                           f"held out; {describe_counts(counts, 'documents')}); lower "
+                           f"--heldout-fraction or add text")
+    index = {"format": INDEX_FORMAT, "version": 2, "dtype": dtype,
              "tokenizer": tokenizer.describe(), "text_field": text_field,
              "heldout_fraction": heldout_fraction, "inputs": plan["inputs"], "totals": totals,
-             "shards": shards}
+             "counts": dict(counts), "shards": shards}
     _write_json(out / INDEX_FILE, index)
     return index
 
@@ -395,12 +569,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heldout-fraction", type=float, default=0.05)
     parser.add_argument("--workers", type=int, default=0, help="processes; 0: one per CPU")
     parser.add_argument("--unit-mb", type=float, default=64, help="input MiB per unit of work")
+    parser.add_argument("--bad-text", choices=BAD_TEXT, default="refuse",
+                        help="text that is not UTF-8 or is binary: refuse (an error naming the "
+                             "byte), skip it (counted), or replace its bad bytes with U+FFFD "
+                             "(not UTF-8 only; counted)")
+    parser.add_argument("--rebuild", action="store_true",
+                        help="replace a finished preparation of other inputs or options in --out")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     try:
         index = prepare(args.inputs, args.out, args.tokenizer, text_field=args.text_field,
                         heldout_fraction=args.heldout_fraction, workers=args.workers,
-                        unit_mb=args.unit_mb, progress=not args.no_progress)
+                        unit_mb=args.unit_mb, bad_text=args.bad_text, rebuild=args.rebuild,
+                        progress=not args.no_progress)
     except (PrepareError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -409,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{t['val']['tokens']:,} held-out tokens ({t['val']['documents']:,} documents) in "
           f"{len(index['shards'])} {index['dtype']} shards; index: "
           f"{Path(args.out).absolute() / INDEX_FILE}")
+    print(f"inputs: {describe_counts(index.get('counts', {}), 'documents')}")
     return 0
 
 

@@ -58,7 +58,14 @@ def mesh_shape(cfg: MeshConfig, num_devices: int, num_processes: int = 1) -> dic
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     devices = jax.devices() if devices is None else devices
-    shape = mesh_shape(cfg, len(devices), len({d.process_index for d in devices}))
+    try:
+        shape = mesh_shape(cfg, len(devices), len({d.process_index for d in devices}))
+    except ConfigError as e:
+        wanted = math.prod(max(v, 1) for v in (cfg.data, cfg.stage, cfg.expert))
+        if devices[0].platform == "cpu" and wanted > len(devices):
+            raise ConfigError(f"{e} (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count="
+                              f"{wanted} set before JAX starts gives {wanted} devices)") from None
+        raise
     return Mesh(device_grid(shape, devices), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 

@@ -24,6 +24,7 @@ from jaxmoe.batches import BatchIterator, Prefetcher
 from jaxmoe.data import Corpus, DataError, load_corpus
 from jaxmoe.distributed import DistributedError
 from jaxmoe.monitor import Monitor, to_python
+from jaxmoe.optim import learning_rate_schedule
 from jaxmoe.perf import Peak, ProfileWindow, StepClock, memory, throughput
 from jaxmoe.sharding import make_mesh, process_rows
 from jaxmoe.step import build_steps, with_weights
@@ -47,12 +48,42 @@ def check_resumable(cfg: Config, require: bool) -> None:
         if require:
             raise CheckpointError(f"--resume: no complete checkpoint in {directory}")
         return
-    step, meta = checkpoint.read_meta(directory)
+    step, meta = checkpoint.read_meta(directory, fall_back=cfg.checkpoint.skip_damaged)
     checkpoint.check_compatible(meta["config"], cfg, directory / str(step))
     if "no_decay" not in meta["config"].get("optimizer", {}):
         print(f"note: checkpoint {directory / str(step)} was saved when every tensor of 2 or more "
               "dimensions decayed; from here on optimizer.no_decay "
               f"{list(cfg.optimizer.no_decay)} and stacked norm scales do not", file=sys.stderr)
+
+
+def schedule_note(saved: Config, cfg: Config, step: int) -> str:
+    """What a changed `train.steps` does to the learning rate of a resumed run: the
+    schedule is the new config's, from the step the checkpoint reached."""
+    old = learning_rate_schedule(saved.optimizer, saved.train.steps)
+    new = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    return (f"note: train.steps {saved.train.steps} -> {cfg.train.steps}: the {cfg.optimizer.schedule}"
+            f" learning-rate schedule now spans {cfg.train.steps} steps; at step {step} the rate "
+            f"is {float(new(step)):.3g} (it was {float(old(step)):.3g} on the old schedule)")
+
+
+def data_of(batches, corpus: Corpus) -> dict:
+    """What a checkpoint records of the data: the iterator's position, and the corpus's
+    fingerprint (which data that position is in)."""
+    return {**batches.state(), "fingerprint": corpus.fingerprint}
+
+
+def check_same_data(data_state: dict, corpus: Corpus, where: Path, accept: bool) -> None:
+    """A resume on other data than the checkpoint's is refused in one line, unless
+    asked for (`--accept-new-data`): its position would point into other batches."""
+    saved = data_state.get("fingerprint")  # None: saved before checkpoints recorded it
+    if saved is None or saved == corpus.fingerprint:
+        return
+    line = (f"the data differ from those checkpoint {where} trained on (fingerprint "
+            f"{corpus.fingerprint}, the checkpoint's {saved})")
+    if not accept:
+        raise DataError(f"{line}; --accept-new-data continues on them from its position")
+    print(f"note: {line}; continuing on them from its position (--accept-new-data)",
+          file=sys.stderr)
 
 
 class StopSignals:
@@ -75,13 +106,15 @@ class StopSignals:
 
 
 def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
-          init_weights: dict | None = None) -> dict:
+          init_weights: dict | None = None, accept_new_data: bool = False) -> dict:
     """Runs (or resumes) the configured job; returns the final summary (also printed).
 
     stop_after: leave after this many steps of this process, with a checkpoint
     (for time-limited allocations). init_weights: start from these weights (a plain
     dict in model order, e.g. `jaxmoe.hf.load_hf`'s) instead of the seed's; a run
-    that resumes ignores them.
+    that resumes ignores them. accept_new_data: resume on a corpus other than the
+    checkpoint's (else refused). A run stopped by a signal returns with
+    `stopped_by` (the signal's name) in its summary.
     """
     t = cfg.train
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -98,18 +131,29 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     saved = checkpoint.complete_steps(ckpt_dir)
     distributed.check_same(saved[-1] if saved else -1, f"the latest checkpoint step in {ckpt_dir} "
                            "(-1: none); the run directory must be shared by all processes")
+    main, damaged = distributed.is_main(), []
+    if main:  # the first run of each program compiles it: tens of seconds of silence
+        print(f"compiling{' and restoring from ' + str(ckpt_dir) if saved else ''} ...",
+              flush=True)
     if saved:
-        state, data_state = checkpoint.restore(ckpt_dir, steps)
+        state, data_state, _, damaged = checkpoint.resume(
+            ckpt_dir, steps, fall_back=cfg.checkpoint.skip_damaged, agree=distributed.any_process)
         start = int(state.step)
+        check_same_data(data_state, corpus, ckpt_dir / str(start), accept_new_data)
+        resumed = checkpoint.saved_config(checkpoint.read_meta(ckpt_dir, start)[1])
+        if main and resumed.train.steps != t.steps:
+            print(schedule_note(resumed, cfg, start), file=sys.stderr)
     else:
         state, data_state, start = steps.init(jax.random.PRNGKey(t.seed)), {"step": 0}, 0
         if init_weights is not None:
             state = with_weights(steps, state, init_weights)
-    main = distributed.is_main()
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         tokenizer.save(run_dir / RUN_SUBDIR)
+        for step, why in damaged:  # out of the way of this run's saves, never deleted
+            print(f"set aside damaged checkpoint {ckpt_dir / str(step)} as "
+                  f"{checkpoint.set_aside(ckpt_dir, step).name}", file=sys.stderr)
 
     block, blocks = process_rows(steps.batch_sharding, t.batch_size)
     batches = BatchIterator(corpus.train, t.batch_size, t.seq_len, seed=t.seed,
@@ -117,7 +161,7 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                             start_step=data_state["step"])
     eval_sets, too_short = heldout.heldout_sets(corpus, tokenizer, t.batch_size, t.seq_len,
                                                 t.eval_batches)
-    manager = checkpoint.checkpoint_manager(run_dir, cfg)
+    saver = checkpoint.Saver(run_dir, cfg)
     monitor = Monitor(run_dir, t.steps, start, cfg.logging.progress,
                       sinks.open_sinks(cfg, run_dir, resuming=start > 0), active=main)
     if jax.process_count() > 1:
@@ -159,6 +203,7 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                 profile.start()
             with profile.annotate(step):
                 state, metrics = steps.train_step(state, batch)
+            saver.check()  # a failed save in the background ends the run here
             if profile.ends_at(step):
                 jax.block_until_ready(state)
                 with clock.timed("host"):  # writing the trace files
@@ -177,7 +222,7 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                 last_step = step
                 if record["bad_steps"] >= t.max_bad_steps:
                     monitor.close()
-                    manager.wait_until_finished()
+                    saver.finish()
                     raise TooManyBadSteps(
                         f"{int(record['bad_steps'])} consecutive steps up to {step} had a "
                         f"non-finite loss or gradient (train.max_bad_steps={t.max_bad_steps}); "
@@ -188,18 +233,20 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                 if losses or tasks:
                     monitor.log({"step": step, **evaluations(state, losses, tasks)})
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != end:
-                    checkpoint.save(manager, state, batches.state(), steps)
+                    saver.save(state, data_of(batches, corpus), steps)
             check = jax.process_count() == 1 or step % cfg.logging.log_every == 0
             if check and distributed.any_process(signals.received is not None):
                 stop = signals.received or "a signal to another process"
                 break
-    if int(state.step) not in (manager.all_steps() or []):
-        checkpoint.save(manager, state, batches.state(), steps)
-    manager.wait_until_finished()
+    if int(state.step) not in saver.all_steps():
+        saver.save(state, data_of(batches, corpus), steps)
+    saver.finish()
+    saver.close()
     summary |= {"step": int(state.step), "tokens_per_s": record.get("tokens_per_s")}
     if stop or int(state.step) < t.steps:
         monitor.close()
         why = f"on {stop}" if stop else f"after {stop_after} steps (--stop-after)"
+        summary["stopped_by"] = signals.received or ("SIGTERM" if stop else None)
         if main:
             print(f"stopped {why} at step {int(state.step)}; checkpoint in {ckpt_dir}")
         return summary
@@ -243,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=None, metavar="START:STOP",
                         help="write a jax.profiler trace of train steps START..STOP to "
                              "RUN_DIR/profile (logging.profile_steps)")
+    parser.add_argument("--accept-new-data", action="store_true",
+                        help="resume although the data differ from the checkpoint's")
     distributed.add_arguments(parser)
     args = parser.parse_args(argv)
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's routine notices
@@ -254,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = hf.with_architecture(cfg, hf.read_config(args.init_from_hf)[1])
         corpus = load_corpus(cfg.data.source, cfg.data.path, cfg.model.vocab_size,
                              cfg.train.seq_len, cfg.data.heldout_fraction, cfg.data.token_dtype,
-                             cfg.data.weights)
+                             cfg.data.weights, cfg.data.bad_text)
         make_mesh(cfg.mesh)  # device-count errors before anything compiles
         sinks.check_available(cfg)
         check_resumable(cfg, args.resume)
@@ -264,11 +313,16 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
             else:
                 weights, _ = hf.load_hf(args.init_from_hf)
-        train(cfg, corpus, stop_after=args.stop_after, init_weights=weights)
+        summary = train(cfg, corpus, stop_after=args.stop_after, init_weights=weights,
+                        accept_new_data=args.accept_new_data)
     except (DistributedError, ConfigError, DataError, TokenizerError, CheckpointError,
             TooManyBadSteps, hf.HFError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # stopped by a signal (here or on another process): 128 + its number, as a shell
+    # reports a process the signal killed, so that `train && export` stops there
+    if summary.get("stopped_by") is not None:
+        return 128 + getattr(signal, summary["stopped_by"], signal.SIGTERM)
     return 0
 
 

@@ -200,3 +200,32 @@ def test_older_boolean_qk_norm_reads_as_its_name():
     assert config_from_dict({"model": {"qk_norm": False}}).model.qk_norm == "none"
     with pytest.raises(ConfigError, match="model.qk_norm"):
         config_from_dict({"model": {"qk_norm": "yes"}})
+
+
+def test_a_key_repeated_in_one_section_is_refused(tmp_path):
+    """YAML's plain loader keeps the last of two `steps:`; the config loader names both
+    lines. The same key in two sections is two keys."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 5\n  batch_size: 8\n  steps: 50\nmesh:\n  data: 1\n")
+    with pytest.raises(ConfigError, match=r"key 'steps' appears twice in one section "
+                                          r"\(lines 2 and 4\)"):
+        load_config(path)
+    path.write_text("train:\n  steps: 50\nmesh:\n  data: 1\ndata:\n  source: stdlib\n")
+    assert load_config(path).train.steps == 50
+
+
+@pytest.mark.parametrize("steps", [0, -5])
+def test_steps_that_are_not_positive_read_alike(steps):
+    with pytest.raises(ConfigError, match=f"^train.steps: must be positive, got {steps}$"):
+        config_from_dict({}, [f"train.steps={steps}"])
+
+
+def test_a_mesh_larger_than_the_cpu_devices_names_the_fake_device_flag():
+    from jaxmoe.sharding import make_mesh
+    n = jax.device_count()
+    with pytest.raises(ConfigError, match="xla_force_host_platform_device_count=") as e:
+        make_mesh(config_from_dict({"moe": {"num_experts": 2 * n},
+                                    "mesh": {"expert": 2 * n}}).mesh)
+    assert "mesh" in str(e.value)
+    assert make_mesh(config_from_dict({"moe": {"num_experts": n},
+                                       "mesh": {"expert": n}}).mesh).size == n

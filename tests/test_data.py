@@ -95,6 +95,93 @@ def test_text_directory(tmp_path):
     assert stream == b"B" * 100 + data.SEPARATOR + b"A" * 100  # sorted: "b.md" < "sub/a.py"
 
 
+def test_text_directory_refuses_skips_or_replaces_bad_text_and_counts(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("good text " * 20)
+    (tmp_path / "b-empty.md").write_text("")
+    (tmp_path / "c-latin1.txt").write_bytes("caf\u00e9 ".encode("latin-1") * 20)
+    (tmp_path / "d-binary.py").write_bytes(b"\x7fELF\x02\x01\x00\x00")
+    (tmp_path / "e.csv").write_text("a,b")
+    with pytest.raises(DataError, match=r"c-latin1.txt: byte 3 \(0xe9\) is not UTF-8; convert it "
+                                        r"to UTF-8, or set data.bad_text: replace .*or skip"):
+        load_corpus("text", str(tmp_path), 256, L)
+    with pytest.raises(DataError, match=r"d-binary.py: byte 6 is NUL: a binary file, not text; "
+                                        r"remove it, or set data.bad_text: skip"):
+        load_corpus("text", str(tmp_path), 256, L, bad_text="replace")
+    assert capsys.readouterr().err == ""  # nothing but the error
+    c = load_corpus("text", str(tmp_path), 256, L, heldout_fraction=0.1, bad_text="skip")
+    assert np.concatenate([_train(c), _heldout(c)]).tobytes() == b"good text " * 20
+    assert capsys.readouterr().err == (f"text corpus {tmp_path}: read 1 file; skipped 4: 1 file "
+                                       f"by suffix (.csv 1), 1 empty, 1 binary, 1 not UTF-8\n")
+    (tmp_path / "d-binary.py").unlink()
+    c = load_corpus("text", str(tmp_path), 256, L, heldout_fraction=0.1, bad_text="replace")
+    stream = np.concatenate([_train(c), _heldout(c)]).tobytes()
+    assert stream == b"good text " * 20 + data.SEPARATOR + "caf\ufffd ".encode() * 20
+    assert "replaced 20 non-UTF-8 bytes with U+FFFD in 1 file" in capsys.readouterr().err
+    with pytest.raises(DataError, match="unknown bad_text 'ignore'"):
+        load_corpus("text", str(tmp_path), 256, L, bad_text="ignore")
+
+
+def test_a_small_text_heldout_split_names_its_cause(tmp_path):
+    (tmp_path / "a.txt").write_text("x" * 300)
+    with pytest.raises(DataError, match=r"has 15 heldout tokens; need at least seq_len\+1 = 17 in "
+                                        r"one shard, the largest has 15 \(held out: the last 0.05 "
+                                        r"of its 300 bytes\)"):
+        load_corpus("text", str(tmp_path / "a.txt"), 256, L)
+
+
+# --- fingerprints ------------------------------------------------------------------------
+
+def test_the_fingerprint_follows_the_data_not_paths_or_times(tmp_path):
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        _bin(tmp_path / d / "t.bin", np.arange(1000) % 700, "<u2")
+    a = load_corpus("tokens", str(tmp_path / "a" / "t.bin"), 700, L).fingerprint
+    assert len(a) == 16 and int(a, 16) >= 0
+    os.utime(tmp_path / "b" / "t.bin", ns=(1, 1))  # elsewhere, another time, the same tokens
+    assert load_corpus("tokens", str(tmp_path / "b" / "t.bin"), 700, L).fingerprint == a
+    other = {load_corpus("tokens", str(tmp_path / "a" / "t.bin"), 700, L,
+                         heldout_fraction=0.1).fingerprint,  # another split
+             load_corpus("tokens", str(tmp_path / "a" / "t.bin"), 1 << 30, L, token_dtype="uint32",
+                         ).fingerprint,  # the same bytes read as other tokens
+             load_corpus("tokens", [str(tmp_path / "a" / "t.bin")] * 2, 700, L).fingerprint}
+    _bin(tmp_path / "b" / "t.bin", np.arange(1, 1001) % 700, "<u2")
+    other.add(load_corpus("tokens", str(tmp_path / "b" / "t.bin"), 700, L).fingerprint)
+    assert len(other) == 4 and a not in other
+    script = (f"from jaxmoe.data import load_corpus; print(load_corpus('tokens', "
+              f"{str(tmp_path / 'a' / 't.bin')!r}, 700, {L}).fingerprint)")
+    import subprocess
+    import sys
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True).stdout.strip() == a  # no per-process salt
+
+    stdlib = load_corpus("stdlib", None, 256, L)
+    assert stdlib.fingerprint == load_corpus("stdlib", None, 256, L).fingerprint
+    assert stdlib.fingerprint != load_corpus("stdlib", None, 256, L, heldout_fraction=0.1).fingerprint
+    (tmp_path / "doc.txt").write_text("some text " * 40)
+    text = load_corpus("text", str(tmp_path / "doc.txt"), 256, L).fingerprint
+    (tmp_path / "doc.txt").write_text("some tExt " * 40)
+    assert load_corpus("text", str(tmp_path / "doc.txt"), 256, L).fingerprint != text
+
+
+def test_a_prepared_corpus_is_fingerprinted_from_its_index(tmp_path, monkeypatch):
+    from jaxmoe.prepare import prepare
+    from tiny_tokenizer import make_tokenizer, sentences
+    (tmp_path / "doc.txt").write_text(" ".join(sentences(60)))
+    out = tmp_path / "out"
+    index = prepare([str(tmp_path / "doc.txt")], out, str(make_tokenizer(tmp_path / "tok")),
+                    heldout_fraction=0.0, workers=1, progress=False)
+    monkeypatch.setattr(data, "_scan", lambda *a: pytest.fail("the shards were read"))
+    fingerprint = load_corpus("tokens", str(out), 300, L).fingerprint
+    monkeypatch.undo()
+    for s in index["shards"]:
+        del s["sha256"]  # as an index of version 1: the shards are hashed instead
+    (out / "index.json").write_text(json.dumps(index))
+    assert load_corpus("tokens", str(out), 300, L).fingerprint == fingerprint
+    shard = out / index["shards"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[2:] + shard.read_bytes()[:2])  # the same size
+    assert load_corpus("tokens", str(out), 300, L).fingerprint != fingerprint
+
+
 # --- validation --------------------------------------------------------------------------
 
 def test_unknown_source():

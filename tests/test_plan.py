@@ -49,6 +49,7 @@ def test_47b_fits_a_b300_with_the_shipped_dispatcher(b300):
     assert mem["optimizer_state"] == pytest.approx(2 * mem["parameters"], rel=1e-6)
     assert mem["parameters"] + mem["optimizer_state"] <= mem["peak"] <= 136e9
     assert "FITS: peak" in stdout and plan["fits"]
+    assert stdout.startswith("compiling the train step for 8 virtual B300s (XLA:GPU) ...\n")
     # what holds the peak, from XLA's buffer assignment: an expert stack's bf16 size
     # (the working copy, the summed gradients, one slice's stacked gradients)
     experts_bf16 = 7 * 16 * 4096 * 8192 * 2  # 7 MoE layers x 16 local experts x D x 2F
@@ -90,6 +91,7 @@ def test_ratio_is_the_program_over_the_routed_rows():
 def test_cpu_target_plans_with_stand_ins(tmp_path, b300):
     plan, stdout = _plan(tmp_path, "--target", "cpu", "--device", "b300")
     assert plan["target"] == "cpu" and plan["kernels"]["attention"] == "blockwise"
+    assert "compiling the train step for 8 fake CPU devices ...\n" in stdout
     assert plan["dispatcher"] == "alltoall"  # what ragged compiles as on CPU, and says so
     assert plan["kernels"]["ragged_exchange"] == "-"
     assert any("in place of ragged" in a for a in plan["assumptions"])

@@ -2,6 +2,7 @@
 held-out split by document, uint16/uint32 by vocabulary, resumable after a crash."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -133,8 +134,13 @@ def test_a_crash_mid_shard_leaves_nothing_that_reads_as_complete(tmp_path, tok_d
     done.clear()
     assert prepare(*args, **kw) == resumed and not done  # complete: nothing to do
     (out / "train-notes.json").write_text("the user's")  # not a name prepare writes
-    changed = prepare(*args, **{**kw, "heldout_fraction": 0.3})  # other options: starts clean
-    units = len(prep.plan_units([str(root / "txt")], 100))
+    with pytest.raises(PrepareError, match=r"holds a finished preparation of other inputs or "
+                                           r"options \(--heldout-fraction was 0.2, now 0.3\); "
+                                           r"it is kept: pass --rebuild"):
+        prepare(*args, **{**kw, "heldout_fraction": 0.3})
+    assert prepare(*args, **kw) == resumed and not done  # kept whole
+    changed = prepare(*args, **{**kw, "heldout_fraction": 0.3}, rebuild=True)  # starts clean
+    units = len(list((tmp_path / "clean").glob("unit-*.json")))
     assert changed["heldout_fraction"] == 0.3 and sorted(done) == list(range(units))
     assert (out / "train-notes.json").read_text() == "the user's"
 
@@ -168,17 +174,147 @@ def test_gzip_and_bad_utf8_json_lines(tmp_path, tok_dir):
     import gzip
     with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
         f.write(json.dumps({"text": "the dog"}) + "\n" + json.dumps({"text": "a cat"}) + "\n")
-    (tmp_path / "b.jsonl").write_bytes(b'{"text": "caf\xe9 sun"}\n')  # Latin-1, not UTF-8
-    index = prepare([str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.jsonl")], tmp_path / "out",
-                    str(tok_dir), heldout_fraction=0.0, workers=1, progress=False)
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "sun"}\n{"text": "caf\xe9 sun"}\n')  # Latin-1
+    args = ([str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.jsonl")], str(tok_dir))
+    kw = dict(heldout_fraction=0.0, workers=1, progress=False)
+    with pytest.raises(PrepareError, match=r"b.jsonl: byte 29 \(0xe9\) is not UTF-8; convert it "
+                                           r"to UTF-8, or set --bad-text replace .* or skip"):
+        prepare(args[0], tmp_path / "o1", args[1], **kw)
     tok = load_tokenizer(tok_dir)
-    tokens = np.concatenate(_read_split(tmp_path / "out", index, "train"))
-    docs = [tok.decode(d) for d in _split_docs(tokens, tok.eos_id)]
-    assert docs == ["the dog", "a cat", "caf\ufffd sun"]  # the bad byte replaced, as in text files
-    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(b'{"text": 1}\n'))
-    with pytest.raises(PrepareError, match=r"c.jsonl.gz \(line 1\): no string field 'text'"):
+    for bad_text, last, count in (("replace", ["caf\ufffd sun"], "replaced 1 non-UTF-8 byte"),
+                                  ("skip", [], "skipped 1: 1 not UTF-8")):
+        index = prepare(args[0], tmp_path / bad_text, args[1], bad_text=bad_text, **kw)
+        tokens = np.concatenate(_read_split(tmp_path / bad_text, index, "train"))
+        docs = [tok.decode(d) for d in _split_docs(tokens, tok.eos_id)]
+        assert docs == ["the dog", "a cat", "sun"] + last
+        assert count in prep.describe_counts(index["counts"], "documents")
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n{"text": 1}\n'))
+    with pytest.raises(PrepareError, match=r"c.jsonl.gz \(line 2\): no string field 'text'"):
         prepare([str(tmp_path / "c.jsonl.gz")], tmp_path / "o", str(tok_dir), workers=1,
                 progress=False)
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n{"text": "\xff"}\n'))
+    with pytest.raises(PrepareError, match=r"d.jsonl.gz \(line 2, uncompressed\): byte 24 "
+                                           r"\(0xff\) is not UTF-8"):
+        prepare([str(tmp_path / "d.jsonl.gz")], tmp_path / "o", str(tok_dir), workers=1,
+                progress=False)
+
+
+def _snapshot(directory):
+    return {f.name: f.read_bytes() for f in sorted(directory.iterdir())}
+
+
+def test_a_finished_preparation_is_kept_unless_rebuild_says(tmp_path, tok_dir, inputs,
+                                                           monkeypatch, capsys):
+    root, _ = inputs
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in sorted((root / "txt").iterdir())[:6]:
+        (corpus / f.name).write_bytes(f.read_bytes())
+    out, kw = tmp_path / "out", dict(heldout_fraction=0.2, workers=1, progress=False)
+    index = prepare([str(corpus)], out, str(tok_dir), **kw)
+    before = _snapshot(out)
+    read = []
+    real_problem = prep.text_problem
+    monkeypatch.setattr(prep, "text_problem", lambda raw: read.append(raw) or real_problem(raw))
+    monkeypatch.setattr(prep, "tokenize_unit", lambda *a, **k: pytest.fail("tokenized again"))
+
+    os.utime(corpus / "02.txt", ns=(1, 1))  # touched (cp without -a): the same content
+    assert prepare([str(corpus)], out, str(tok_dir), **kw) == index
+    assert len(read) == 1  # only the touched file is hashed again ...
+    read.clear()
+    assert prepare([str(corpus)], out, str(tok_dir), **kw) == index
+    assert not read  # ... and its new mtime was recorded
+    kept = _snapshot(out)
+    assert {k: v for k, v in kept.items() if k != "prepare.json"} == \
+        {k: v for k, v in before.items() if k != "prepare.json"}
+
+    text = (corpus / "03.txt").read_text()
+    (corpus / "03.txt").write_text(text.swapcase())  # the same size and a new content
+    (corpus / "new.md").write_text("A new document.")
+    for inputs_, said in (([str(corpus)], r"1 file changed: \S+03.txt; 1 file added: \S+new.md"),
+                          ([str(corpus / "00.txt")], r"5 files removed: \S+01.txt, \S+02.txt and "
+                                                     r"3 more")):
+        with pytest.raises(PrepareError, match=rf"holds a finished preparation of other inputs or "
+                                               rf"options \({said}\); it is kept: pass --rebuild"):
+            prepare(inputs_, out, str(tok_dir), **kw)
+        assert _snapshot(out) == kept  # not a byte of it touched
+    capsys.readouterr()
+    argv = [str(corpus), "--out", str(out), "--tokenizer", str(tok_dir), "--no-progress",
+            "--workers", "1", "--heldout-fraction", "0.2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --out") and "03.txt" in err[0]
+    assert _snapshot(out) == kept
+
+    monkeypatch.undo()
+    assert main(argv + ["--rebuild"]) == 0
+    assert json.loads((out / "index.json").read_text())["counts"]["read"] == 7
+
+
+def test_bad_text_is_refused_skipped_or_replaced_and_counted(tmp_path, tok_dir, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("The quick brown fox.")
+    (corpus / "b-empty.txt").write_text("")
+    (corpus / "c-blank.md").write_text(" \n\n")
+    (corpus / "d-latin1.txt").write_bytes("caf\u00e9 sun".encode("latin-1"))
+    (corpus / "e-binary.txt").write_bytes(b"PK\x03\x04\x00\x01")
+    (corpus / "notes.csv").write_text("a,b")
+    (corpus / "f.bin").write_bytes(b"\x01")
+    kw = dict(heldout_fraction=0.0, workers=1, progress=False)
+    with pytest.raises(PrepareError, match=r"d-latin1.txt: byte 3 \(0xe9\) is not UTF-8; convert "
+                                           r"it to UTF-8, or set --bad-text replace .*or skip "
+                                           r"\(1 more binary or non-UTF-8 file\)"):
+        prepare([str(corpus)], tmp_path / "refused", str(tok_dir), **kw)
+    assert not (tmp_path / "refused").exists()  # refused before anything is written
+    with pytest.raises(PrepareError, match=r"e-binary.txt: byte 4 is NUL: a binary file, not "
+                                           r"text; remove it, or set --bad-text skip"):
+        prepare([str(corpus)], tmp_path / "replaced", str(tok_dir), bad_text="replace", **kw)
+
+    capsys.readouterr()
+    assert main([str(corpus), "--out", str(tmp_path / "skipped"), "--tokenizer", str(tok_dir),
+                 "--bad-text", "skip", "--workers", "1", "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "inputs: read 1 document; skipped 6: 2 files by suffix (.bin 1, .csv 1), 2 empty, "
+        "1 binary, 1 not UTF-8")
+    (corpus / "e-binary.txt").unlink()
+    index = prepare([str(corpus)], tmp_path / "replaced", str(tok_dir), bad_text="replace", **kw)
+    assert prep.describe_counts(index["counts"], "documents") == (
+        "read 2 documents; skipped 4: 2 files by suffix (.bin 1, .csv 1), 2 empty; replaced 1 "
+        "non-UTF-8 byte with U+FFFD in 1 document")
+    tok = load_tokenizer(tok_dir)
+    tokens = np.concatenate(_read_split(tmp_path / "replaced", index, "train"))
+    assert [tok.decode(d) for d in _split_docs(tokens, tok.eos_id)] == [
+        "The quick brown fox.", "caf\ufffd sun"]
+
+
+def test_empty_documents_never_make_the_heldout_split(tmp_path, tok_dir):
+    """The hash of "" is 0: an empty document used to be held out at any fraction."""
+    (tmp_path / "a.txt").write_text(" ".join(sentences(40, seed=4)))
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "rows.jsonl").write_text('{"text": ""}\n{"text": "  "}\n{"text": "A cat."}\n')
+    out = tmp_path / "out"
+    index = prepare([str(tmp_path / "a.txt"), str(tmp_path / "empty.txt"),
+                     str(tmp_path / "rows.jsonl")], out, str(tok_dir), workers=1, progress=False)
+    assert index["totals"]["val"]["documents"] == 0 and index["counts"]["skipped empty"] == 3
+    corpus = load_corpus("tokens", str(out), 300, 8)  # held out: the tail of each shard
+    assert max(len(h) for h in corpus.heldout) > 8
+
+
+def test_a_small_heldout_split_names_its_cause(tmp_path, tok_dir):
+    texts = sentences(300, seed=5)
+    held = [t for t in texts if is_heldout(t, 0.05)][:1]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                                                 [t for t in texts if not is_heldout(t, 0.05)]
+                                                 + held))
+    index = prepare([str(tmp_path / "docs.jsonl")], tmp_path / "out", str(tok_dir), workers=1,
+                    progress=False)
+    n = index["totals"]["val"]["tokens"]
+    with pytest.raises(DataError, match=rf"has {n} heldout tokens; need at least seq_len\+1 = 65 "
+                                        rf"in one shard, the largest has {n} \(held out: 1 "
+                                        rf"document of {n} tokens, by prepare --heldout-fraction "
+                                        rf"0.05\)"):
+        load_corpus("tokens", str(tmp_path / "out"), 300, 64)
 
 
 def test_a_glob_over_a_prepared_directory_reads_only_shards(tmp_path, tok_dir, inputs):

@@ -128,7 +128,7 @@ def test_sigint_stops_with_a_checkpoint_that_resumes(tmp_path):
     assert proc.poll() is None, proc.communicate()[1]  # signalled mid-run, not after a crash
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and "KeyboardInterrupt" not in err, err
+    assert proc.returncode == 130 and "KeyboardInterrupt" not in err, err
     ckpts = checkpoint.checkpoint_dir(tmp_path)
     saved = checkpoint.complete_steps(ckpts)
     logged = _logged_steps(tmp_path)
