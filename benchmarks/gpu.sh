@@ -116,22 +116,22 @@ else
 fi
 # Benchmarks (one device each unless stated): figures, not checks.
 # the MoE block vs a dense MLP of the same active FLOPs, E = 8, 32, 128
-bench bench_moe 75 python3 -m jaxmoe.bench moe "${moe_shape[@]}" --json "$out/bench_moe.json"
+bench bench_moe 75 python3 -m jaxmoe.plan.bench moe "${moe_shape[@]}" --json "$out/bench_moe.json"
 # a bf16 train step at GPU shapes: MFU against the measured bf16 matmul rate, with
 # XLA's collective/compute overlap on and off (it is not always a win)
-bench bench_step_overlap 75 env XLA_FLAGS="$overlap_on" python3 -m jaxmoe.bench step \
+bench bench_step_overlap 75 env XLA_FLAGS="$overlap_on" python3 -m jaxmoe.plan.bench step \
   "${gpu_model[@]}" "${matmul[@]}" --json "$out/bench_step_overlap.json"
-bench bench_step_no_overlap 75 env XLA_FLAGS="$overlap_off" python3 -m jaxmoe.bench step \
+bench bench_step_no_overlap 75 env XLA_FLAGS="$overlap_off" python3 -m jaxmoe.plan.bench step \
   "${gpu_model[@]}" "${matmul[@]}" --json "$out/bench_step_no_overlap.json"
 # 8 vs 128 experts of the same size in that bf16 model, with the update alone
-bench bench_experts 150 python3 -m jaxmoe.bench experts "${gpu_model[@]}" \
+bench bench_experts 150 python3 -m jaxmoe.plan.bench experts "${gpu_model[@]}" \
   --json "$out/bench_experts.json"
 # with 8+ GPUs: ddp+EP vs fsdp, overlap on and off
 if [ "$devices" -ge 8 ] && [ "$smoke" != 1 ]; then
   bench bench_parallel_overlap 60 env XLA_FLAGS="$overlap_on" \
-    python3 -m jaxmoe.bench parallel --json "$out/bench_parallel_overlap.json"
+    python3 -m jaxmoe.plan.bench parallel --json "$out/bench_parallel_overlap.json"
   bench bench_parallel_no_overlap 60 env XLA_FLAGS="$overlap_off" \
-    python3 -m jaxmoe.bench parallel --json "$out/bench_parallel_no_overlap.json"
+    python3 -m jaxmoe.plan.bench parallel --json "$out/bench_parallel_no_overlap.json"
 fi
 
 for name in $only; do  # a name that ran nothing must not pass quietly

@@ -413,8 +413,8 @@ def train_config(toy: bool, steps: int, dispatcher: str = "ragged"):
 def train_losses(cfg, runs: int = 1) -> tuple[tuple[float, ...], ...]:
     """Per-step training cross-entropy of `cfg` from a fresh init on the stdlib corpus,
     `runs` times over with one compiled step."""
-    from jaxmoe.batches import BatchIterator
-    from jaxmoe.data import load_corpus
+    from jaxmoe.data.batches import BatchIterator
+    from jaxmoe.data.corpus import load_corpus
     from jaxmoe.step import build_steps
 
     t = cfg.train
@@ -498,7 +498,7 @@ def check_overlap(toy: bool) -> Result:
 
 def check_compile_memory(toy: bool) -> Result:
     """The memory plan of a train step compiled for this GPU against the one XLA:GPU
-    makes for a virtual GPU of the same kind (`jaxmoe.targets`, what the planner and
+    makes for a virtual GPU of the same kind (`jaxmoe.plan.targets`, what the planner and
     the GPU-compile tests read without a GPU): the train check's model, compiled here
     and, in a child process with JAX_PLATFORMS=cpu, deviceless. Figure: deviceless
     peak over this device's. Reported, not judged: without a device XLA neither
@@ -507,7 +507,7 @@ def check_compile_memory(toy: bool) -> Result:
     if on_cpu():
         return Result("compile_memory", "SKIPPED", note="no GPU to compare the deviceless "
                       "compile with")
-    from jaxmoe.plan import compile_train_step, peak_bytes
+    from jaxmoe.plan.planner import compile_train_step, peak_bytes
 
     kind = jax.devices()[0].device_kind
     names = target_names(kind)
@@ -522,7 +522,7 @@ def check_compile_memory(toy: bool) -> Result:
         path, out = Path(tmp) / "config.yaml", Path(tmp) / "plan.json"
         path.write_text(yaml.safe_dump(cfg.to_dict()))
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        proc = subprocess.run([sys.executable, "-m", "jaxmoe.plan", "--config", str(path),
+        proc = subprocess.run([sys.executable, "-m", "jaxmoe.plan.planner", "--config", str(path),
                                "--target", names[0], "--json", str(out)], env=env,
                               capture_output=True, text=True, cwd=ROOT)
         if proc.returncode:
@@ -535,16 +535,16 @@ def check_compile_memory(toy: bool) -> Result:
 
 
 def target_names(kind: str) -> list[str]:
-    """The planner's targets (`jaxmoe.targets`) of a device kind: the model's name as a
+    """The planner's targets (`jaxmoe.plan.targets`) of a device kind: the model's name as a
     word (a GH200 is no H200; an H100 PCIe gets the SXM spec)."""
     import re
 
-    from jaxmoe.targets import TARGETS
+    from jaxmoe.plan.targets import TARGETS
     return [n for n, t in TARGETS.items() if re.search(rf"\b{t.device_kind.split()[1]}\b", kind)]
 
 
 def check_roofline(toy: bool) -> Result:
-    """The roofline's predicted step (`jaxmoe.roofline`, from the program compiled here)
+    """The roofline's predicted step (`jaxmoe.plan.roofline`, from the program compiled here)
     beside the measured one, for the train check's model on this machine's GPUs:
     figure measured / predicted, reported (the roofline assumes every kernel at its
     peak, so a real step is slower by the kernels' efficiency). Judged: the lowering
@@ -554,11 +554,11 @@ def check_roofline(toy: bool) -> Result:
     if on_cpu():
         return Result("roofline", "SKIPPED", note="no datasheet for a CPU")
     from jaxmoe.config import flops_per_token
-    from jaxmoe.hlo import Program
-    from jaxmoe.plan import compile_train_step
-    from jaxmoe.roofline import Link, quantisations, roofline, row_exchanges, summary
+    from jaxmoe.plan.hlo import Program
+    from jaxmoe.plan.planner import compile_train_step
+    from jaxmoe.plan.roofline import Link, quantisations, roofline, row_exchanges, summary
     from jaxmoe.step import build_steps
-    from jaxmoe.targets import TARGETS
+    from jaxmoe.plan.targets import TARGETS
 
     kind = jax.devices()[0].device_kind
     names = target_names(kind)

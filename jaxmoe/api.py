@@ -26,10 +26,11 @@ from jax.sharding import Mesh
 
 from jaxmoe import checkpoint
 from jaxmoe.config import Config, config_from_dict, dropless as make_dropless
-from jaxmoe.model.dispatch import LOCAL_DISPATCHERS
+from jaxmoe.model.dispatch import LOCAL
 from jaxmoe.model.moe import MoE
 from jaxmoe.model.transformer import Transformer, init_stds
 from jaxmoe.parallel.layout import layout_for
+from jaxmoe.step import check_shapes
 
 Params = dict[str, Any]
 
@@ -55,21 +56,7 @@ def _init_fn(cfg: Config, part: str):
 
 def check_params(params: Params, cfg: Config, part: str = "model") -> None:
     """Raises ValueError naming the first leaf missing, extra or of the wrong shape."""
-    want = {jax.tree_util.keystr(p): a.shape
-            for p, a in jax.tree_util.tree_leaves_with_path(_abstract(cfg, part)[1])}
-    try:
-        got = {jax.tree_util.keystr(p): jnp.shape(a)
-               for p, a in jax.tree_util.tree_leaves_with_path(params)}
-    except TypeError as e:
-        raise ValueError(f"params: not a pytree of arrays ({e})") from None
-    for key in sorted(want.keys() | got.keys()):
-        if key not in got:
-            raise ValueError(f"params{key}: missing for this config")
-        if key not in want:
-            raise ValueError(f"params{key}: not part of a model with this config")
-        if got[key] != want[key]:
-            raise ValueError(f"params{key}: shape {got[key]} does not match the config's "
-                             f"{want[key]}")
+    check_shapes(params, _abstract(cfg, part)[1], "params")
 
 
 def check_tokens(tokens_BxL: jax.Array, cfg: Config) -> None:
@@ -102,8 +89,7 @@ def to_module(params: Params, config: Config) -> Transformer:
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "remat"))
 def _apply(params, tokens_BxL, config, key, mesh, remat):
     layout = layout_for(config, mesh)
-    if layout is not None:  # a mesh with pipeline stages runs the stack as they hold it
-        params = layout.stored(params)
+    params = layout.stored(params)  # a mesh with pipeline stages runs the stack as they hold it
     return nnx.merge(_abstract(config, "model")[0], params)(tokens_BxL, layout=layout, key=key,
                                                             remat=remat)
 
@@ -164,7 +150,7 @@ def local_config(config: Config, dropless: bool = True) -> Config:
     `dropless=False` keeps the training capacity factor (and its drops)."""
     overrides = ["mesh.data=1", "mesh.expert=1", "mesh.stage=1",
                  "pipeline.virtual_stages=1", "pipeline.stage_microbatches=1"]
-    if config.num_moe_layers and (dropless or config.moe.dispatcher not in LOCAL_DISPATCHERS):
+    if config.num_moe_layers and (dropless or config.moe.dispatcher not in LOCAL):
         overrides.append("moe.dispatcher=grouped")
     local = config_from_dict(config.to_dict(), overrides)
     return make_dropless(local) if dropless else local

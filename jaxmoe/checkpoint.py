@@ -4,7 +4,7 @@ A checkpoint holds everything needed to continue bit-exactly: the whole
 TrainState (params, optimizer state, router expert biases, step, RNG key) and a
 JSON `meta` item (format version, the data iterator's position, the config, and
 how the MoE stack was held). The state is saved as the layout keeps it: the MoE
-stack as [Lm, ...], or by pipeline stage as [V, S, per, ...] (`StageStack`),
+stack as [Lm, ...], or by pipeline stage as [W, S, per, ...] (`StageStack`),
 which flattens to model order. Restoring under another mesh or pipeline layout
 reshapes it (and drops or adds the padding); readers of the weights get model
 order. Orbax writes into a temporary directory and renames it when complete, so
@@ -39,13 +39,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxmoe.config import SHAPE_KEYS, Config, config_from_dict, current_value
 from jaxmoe.model.transformer import in_moe_stack, map_moe_stack
 from jaxmoe.parallel.pipeline import StageStack
+from jaxmoe.sharding import spec_axes
 from jaxmoe.step import Steps, TrainState, abstract_model
 
-# 4: the state as the layout keeps it, meta["moe_stack"] = [V, S, per] of a pipeline's
+# 4: the state as the layout keeps it, meta["moe_stack"] = [W, S, per] of a pipeline's
 #    stage-held stack (None: [Lm, ...]).
 # 3: MoE layers in model order, pipeline padding dropped; `train.accumulation_steps`
 #    and `pipeline.stage_microbatches` in the config.
-# 2: MoE layers in the saved config's pipeline layout, stage-major ([S, V, per]
+# 2: MoE layers in the saved config's pipeline layout, stage-major ([S, W, per]
 #    flattened); the config said `microbatches` for both. Resumes: read into model order.
 # 1: optax's chained (clip, adam, decay, schedule) states, which 2 cannot restore
 #    into (2 holds jaxmoe.optim.AdamWState); its weights, laid out as 2's, still load.
@@ -201,12 +202,9 @@ class _Saved:
 
 
 def _format2_slots(cfg: Config) -> np.ndarray:
-    """Format 2's stage-major order: slot s V per + v per + j held model layer
-    (v S + s) per + j of a stack padded to S V per slots."""
-    S, V = max(cfg.mesh.stage, 1), cfg.pipeline.virtual_stages
-    per = -(-cfg.num_moe_layers // (S * V))
-    s, v, j = np.meshgrid(np.arange(S), np.arange(V), np.arange(per), indexing="ij")
-    return ((v * S + s) * per + j).reshape(-1)
+    """Format 2's order: the stack's stage-major slots (`StageStack.stage_major`)."""
+    return StageStack.of(cfg.num_moe_layers, max(cfg.mesh.stage, 1),
+                         cfg.pipeline.virtual_stages).stage_major()
 
 
 def _layered(target, layer_dims: tuple[int, ...]):
@@ -231,7 +229,7 @@ def _as_saved(target, layered, saved: _Saved, new_dims: int):
         rest = (tuple(a.sharding.spec) + (None,) * a.ndim)[new_dims:a.ndim]
         S = mesh.shape["stage"]
         lead = (None,) * len(dims)
-        if S > 1 and not any("stage" in ((r,) if isinstance(r, str) else r or ()) for r in rest):
+        if S > 1 and not any("stage" in spec_axes(r) for r in rest):
             if len(dims) == 3 and dims[1] % S == 0:
                 lead = (None, "stage", None)
             elif len(dims) == 1 and dims[0] % S == 0:

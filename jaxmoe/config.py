@@ -165,7 +165,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class EvalsConfig:
-    """Downstream evaluations inside training (lm-eval task definitions, jaxmoe.downstream)."""
+    """Downstream evaluations inside training (lm-eval task definitions, jaxmoe.eval.downstream)."""
     # task names: jaxmoe's own (stdlib_word_order, stdlib_next_line), lm-eval's, or YAMLs
     # under include_path; scored by log-likelihood (generation runs on checkpoints,
     # with python -m jaxmoe.eval)
@@ -351,21 +351,21 @@ def validate(c: Config) -> None:
              "at most one axis may be -1")
     if c.num_moe_layers and c.mesh.expert > 0:
         check_expert_split(moe.num_experts, c.mesh.expert)
-    P, V = c.pipeline.stage_microbatches, c.pipeline.virtual_stages
-    _require(V >= 1, "pipeline.virtual_stages", "must be at least 1")
-    if V > 1:  # circular
+    M, W = c.pipeline.stage_microbatches, c.pipeline.virtual_stages
+    _require(W >= 1, "pipeline.virtual_stages", "must be at least 1")
+    if W > 1:  # circular
         _require(c.mesh.stage > 1, "mesh.stage", "virtual stages need an explicit stage count "
                  "above 1")
-        _require(P >= c.mesh.stage, "pipeline.stage_microbatches",
+        _require(M >= c.mesh.stage, "pipeline.stage_microbatches",
                  f"a circular schedule needs at least as many micro-batches as stages "
                  f"({c.mesh.stage})")
     if c.mesh.stage > 1:
-        _require(c.num_moe_layers >= c.mesh.stage * V, "mesh.stage",
+        _require(c.num_moe_layers >= c.mesh.stage * W, "mesh.stage",
                  f"{c.num_moe_layers} MoE layers cannot fill {c.mesh.stage} stages "
-                 f"x {V} virtual stages")
+                 f"x {W} virtual stages")
     A = max(t.accumulation_steps, 1)
-    _require(P > 0 and (t.batch_size // A) % P == 0, "pipeline.stage_microbatches",
-             f"{P} does not divide the batch of one accumulation step, {t.batch_size // A}")
+    _require(M > 0 and (t.batch_size // A) % M == 0, "pipeline.stage_microbatches",
+             f"{M} does not divide the batch of one accumulation step, {t.batch_size // A}")
     _require(t.accumulation_steps > 0 and t.batch_size % t.accumulation_steps == 0,
              "train.accumulation_steps", f"batch_size={t.batch_size} is not divisible by "
              f"accumulation_steps={t.accumulation_steps}")
@@ -394,7 +394,7 @@ def validate(c: Config) -> None:
         _require(m.vocab_size >= 256, "model.vocab_size", "byte-level corpora need at least 256")
         _require(d.tokenizer == "bytes", "data.tokenizer",
                  f"source '{d.source}' reads bytes; to train on text with {d.tokenizer!r}, "
-                 f"tokenize it with python -m jaxmoe.prepare and use source: tokens")
+                 f"tokenize it with python -m jaxmoe.data.prepare and use source: tokens")
         _require(isinstance(d.path, str | None), "data.path",
                  f"source '{d.source}' takes one path, got {list(d.path or ())}")
     if d.weights is not None:
@@ -476,10 +476,10 @@ LEGACY_VALUES = {"model.qk_norm": {True: "head", False: "none"}}
 def _retired_schedule(pipeline: dict) -> None:
     """pipeline.schedule, which only restated virtual_stages: checked and dropped."""
     value = pipeline.pop("schedule")
-    V = pipeline.get("virtual_stages", PipelineConfig.virtual_stages)
-    implied = "circular" if isinstance(V, int) and V > 1 else "gpipe"
+    W = pipeline.get("virtual_stages", PipelineConfig.virtual_stages)
+    implied = "circular" if isinstance(W, int) and W > 1 else "gpipe"
     if value != implied:
-        raise ConfigError(f"pipeline.schedule: {value!r} disagrees with virtual_stages={V}, "
+        raise ConfigError(f"pipeline.schedule: {value!r} disagrees with virtual_stages={W}, "
                           f"which means {implied!r}; the key is no longer read (virtual_stages "
                           "alone picks the schedule): drop it")
 
@@ -587,7 +587,8 @@ def dropless(cfg: Config) -> Config:
     token's output never depends on the other tokens of its batch."""
     if not cfg.num_moe_layers:
         return cfg
-    return override_config(cfg, [f"moe.capacity_factor={cfg.moe.num_experts / cfg.moe.top_k}"])
+    return dataclasses.replace(cfg, moe=dataclasses.replace(
+        cfg.moe, capacity_factor=cfg.moe.num_experts / cfg.moe.top_k))
 
 
 # ---------------------------------------------------------------- derived sizes

@@ -31,7 +31,7 @@ from flax import nnx
 from jaxmoe import checkpoint, hf
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config
-from jaxmoe.tokenizer import TokenizerError, check_vocab, load_tokenizer, run_tokenizer
+from jaxmoe.data.tokenizer import TokenizerError, check_vocab, load_tokenizer, run_tokenizer
 
 _RENAME = {"embed": "embedding", "head": "lm_head", "final_norm.scale": "final_norm"}
 

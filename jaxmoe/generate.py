@@ -31,7 +31,7 @@ from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config
 from jaxmoe.model import kv_cache
 from jaxmoe.sampling import sample
-from jaxmoe.tokenizer import Tokenizer, TokenizerError, load_tokenizer, run_tokenizer
+from jaxmoe.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer, run_tokenizer
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_new_tokens"))

@@ -104,10 +104,10 @@ def check_divisibility(cfg: Config, mesh: Mesh) -> None:
                           f"micro-batches cannot be split over data x expert = {n_batch} devices")
     if cfg.num_moe_layers:
         check_expert_split(cfg.moe.num_experts, mesh.shape["expert"])
-    S, V = mesh.shape["stage"], cfg.pipeline.virtual_stages
-    if S > 1 and cfg.num_moe_layers < S * V:  # mesh.stage: -1 resolves only here
+    S, W = mesh.shape["stage"], cfg.pipeline.virtual_stages
+    if S > 1 and cfg.num_moe_layers < S * W:  # mesh.stage: -1 resolves only here
         raise ConfigError(f"mesh.stage: {cfg.num_moe_layers} MoE layers cannot fill {S} stages "
-                          f"x {V} virtual stages")
+                          f"x {W} virtual stages")
     if cfg.mesh.parallelism == "fsdp" and cfg.model.d_model % mesh.shape["data"]:
         raise ConfigError(f"model.d_model: {cfg.model.d_model} cannot be split over "
                           f"mesh.data={mesh.shape['data']} for fsdp")
@@ -128,6 +128,11 @@ def state_specs(state: Any, rules: dict[str, str]) -> Any:
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one entry of a PartitionSpec splits its dimension over."""
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
 def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
     """Adds the tensor's replica axes (mesh axes it is not split over) to one dim.
 
@@ -136,13 +141,13 @@ def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
     the replica axes; a tensor too small to divide stays replicated.
     """
     spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-    used = {a for s in spec if s for a in ((s,) if isinstance(s, str) else s)}
+    used = {a for s in spec for a in spec_axes(s)}
     replica = tuple(a for a in ("data", "expert") if a not in used and mesh.shape[a] > 1)
     if not replica:
         return P(*spec)
     n = math.prod(mesh.shape[a] for a in replica)
     for i, (dim, s) in enumerate(zip(shape, spec)):
-        held = () if s is None else ((s,) if isinstance(s, str) else tuple(s))
+        held = spec_axes(s)
         per_shard = dim // math.prod(mesh.shape[a] for a in held) if held else dim
         if per_shard % n == 0 and per_shard >= n:
             new = list(spec)

@@ -21,15 +21,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmoe import sharding
 from jaxmoe.config import Config, ConfigError, dropless
-from jaxmoe.load_metrics import load_metrics
 from jaxmoe.model.experts import mx_copies, with_mx_copies
+from jaxmoe.model.layout import LocalLayout
+from jaxmoe.model.load_metrics import load_metrics
 from jaxmoe.model.moe import MEAN_STATS
 from jaxmoe.model.transformer import Transformer, in_moe_stack
+from jaxmoe.ops.vma import vary, varying_axes
 from jaxmoe.optim import (learning_rate_schedule, make_optimizer, param_names,
                           unmatched_patterns, updates_are_elementwise)
 from jaxmoe.parallel import ddp
 from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
-from jaxmoe.parallel.vma import vary, varying_axes
 from jaxmoe.sharding import BATCH_AXES
 
 
@@ -97,7 +98,7 @@ def state_shardings(cfg: Config, layout: GlobalLayout, tx: optax.GradientTransfo
     return sharding.named(layout.mesh, specs)
 
 
-def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout) -> Callable:
+def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout: LocalLayout) -> Callable:
     """`loss_fn(working, buffers, tokens_BxL1, key, copies) -> (loss, (ce, aux))`: the
     mean next-token loss of the rows given, plus the router losses, of the working
     copy of the parameters (the one the model computes with); `copies`: its expert
@@ -108,7 +109,7 @@ def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout) -> Callable:
         model = nnx.merge(graphdef, with_mx_copies(working, copies), buffers)
         x, aux = model.hidden(tokens_BxL1[:, :-1], layout=layout, key=key, remat=cfg.train.remat)
         ce = model.cross_entropy(x, tokens_BxL1[:, 1:], layout, cfg.train.loss_chunk)
-        ce = ce if layout is None else layout.output_share(ce)
+        ce = layout.output_share(ce)
         loss = ce
         if has_moe:
             loss += moe.balance_loss_weight * jnp.mean(aux["balance_loss"])
@@ -118,7 +119,7 @@ def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout) -> Callable:
     return loss_fn
 
 
-def make_score_fn(cfg: Config, graphdef: nnx.GraphDef, layout) -> Callable:
+def make_score_fn(cfg: Config, graphdef: nnx.GraphDef, layout: LocalLayout) -> Callable:
     """`score_fn(working, buffers, tokens_BxL1, mask_BxL) -> (logprob_B, greedy_B)`: each
     row's summed log-probability of the targets its mask selects, and 1.0 where every
     one of them is the model's argmax (0.0 otherwise)."""
@@ -130,9 +131,7 @@ def make_score_fn(cfg: Config, graphdef: nnx.GraphDef, layout) -> Callable:
                                                         cfg.train.loss_chunk)
         logprob_B = jnp.sum(jnp.where(mask_BxL, logprob_BxL, 0.0), axis=1)
         greedy_B = jnp.all(greedy_BxL | ~mask_BxL, axis=1).astype(jnp.float32)
-        if layout is not None:
-            logprob_B, greedy_B = layout.output_share(logprob_B), layout.output_share(greedy_B)
-        return logprob_B, greedy_B
+        return layout.output_share(logprob_B), layout.output_share(greedy_B)
 
     return score_fn
 
@@ -495,8 +494,8 @@ def check_optimizer(cfg: Config, mesh: Mesh, abs_params: nnx.State, shard_specs:
     # The per-device step updates each device's part of a tensor on its own: right
     # only for an optimizer that updates every element from its own history.
     specs = jax.tree.leaves(shard_specs, is_leaf=lambda x: isinstance(x, P))
-    split = any(mesh.shape[a] > 1 for spec in specs for entry in spec if entry is not None
-                for a in ((entry,) if isinstance(entry, str) else entry))
+    split = any(mesh.shape[a] > 1 for spec in specs for entry in spec
+                for a in sharding.spec_axes(entry))
     if uses_per_device_step(cfg) and split and not updates_are_elementwise(o):
         raise ConfigError(f"optimizer.name: {o.name} takes statistics over whole tensors, but "
                           "the ddp step updates each device's part of a tensor (its ZeRO-1 "
@@ -541,18 +540,35 @@ def place_weights(steps: Steps, weights: dict) -> tuple[nnx.State, nnx.State]:
             jax.device_put(stored(buffers), shardings.buffers))
 
 
+def check_shapes(got, want, label: str, extra: bool = False) -> None:
+    """Raises ValueError naming the first leaf of `got` missing from `want`'s tree, not
+    in it (unless `extra` leaves are allowed) or of another shape; `label` names `got`."""
+    def shape(a):  # abstract arrays too
+        return tuple(a.shape) if hasattr(a, "shape") else np.shape(a)
+
+    want_shapes = {jax.tree_util.keystr(p): shape(a)
+                   for p, a in jax.tree_util.tree_leaves_with_path(want)}
+    try:
+        got_shapes = {jax.tree_util.keystr(p): shape(a)
+                      for p, a in jax.tree_util.tree_leaves_with_path(got)}
+    except TypeError as e:
+        raise ValueError(f"{label}: not a pytree of arrays ({e})") from None
+    for key in sorted(want_shapes.keys() | got_shapes.keys()):
+        if key not in got_shapes:
+            raise ValueError(f"{label}{key}: missing for this config")
+        if key not in want_shapes:
+            if extra:
+                continue
+            raise ValueError(f"{label}{key}: not part of a model with this config")
+        if got_shapes[key] != want_shapes[key]:
+            raise ValueError(f"{label}{key}: shape {got_shapes[key]} does not match the "
+                             f"config's {want_shapes[key]}")
+
+
 def _only(weights: dict, like: dict) -> dict:
     """The entries of `weights` that `like` has (params or buffers), shapes checked,
     as float32 arrays."""
+    check_shapes(weights, like, "weights", extra=True)
     got = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_leaves_with_path(weights)}
-
-    def take(path, want):
-        key = jax.tree_util.keystr(path)
-        if key not in got:
-            raise ValueError(f"weights: {key} missing")
-        if np.shape(got[key]) != np.shape(want):
-            raise ValueError(f"weights: {key} has shape {np.shape(got[key])}, the model "
-                             f"{np.shape(want)}")
-        return np.asarray(got[key], np.float32)
-
-    return jax.tree_util.tree_map_with_path(take, like)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: np.asarray(got[jax.tree_util.keystr(path)], np.float32), like)

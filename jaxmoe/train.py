@@ -17,18 +17,20 @@ import numpy as np
 import yaml
 from absl import logging as absl_logging
 
-from jaxmoe import checkpoint, distributed, heldout, hf, sinks
+from jaxmoe import checkpoint, distributed, hf
+from jaxmoe.eval import heldout
+from jaxmoe.observe import sinks
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config, ConfigError, flops_per_token, load_config
-from jaxmoe.batches import BatchIterator, Prefetcher
-from jaxmoe.data import Corpus, DataError, load_corpus
+from jaxmoe.data.batches import BatchIterator, Prefetcher
+from jaxmoe.data.corpus import Corpus, DataError, load_corpus
 from jaxmoe.distributed import DistributedError
-from jaxmoe.monitor import Monitor, to_python
+from jaxmoe.observe.monitor import Monitor, to_python
 from jaxmoe.optim import learning_rate_schedule
-from jaxmoe.perf import Peak, ProfileWindow, StepClock, memory, throughput
+from jaxmoe.observe.perf import Peak, ProfileWindow, StepClock, memory, throughput
 from jaxmoe.sharding import make_mesh, process_rows
 from jaxmoe.step import build_steps, with_weights
-from jaxmoe.tokenizer import RUN_SUBDIR, TokenizerError, check_vocab, load_tokenizer
+from jaxmoe.data.tokenizer import RUN_SUBDIR, TokenizerError, check_vocab, load_tokenizer
 
 
 class TooManyBadSteps(RuntimeError):
@@ -124,7 +126,7 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     steps = build_steps(cfg, make_mesh(cfg.mesh))
     downstream = None
     if t.evals.tasks:  # lm-eval is an extra: imported only when tasks are asked for
-        from jaxmoe.downstream import Downstream
+        from jaxmoe.eval.downstream import Downstream
         downstream = Downstream(cfg, steps, tokenizer)
     run_dir = Path(t.run_dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir)

@@ -49,7 +49,7 @@ def tiny_run(tmp_path_factory):
     biases, TensorBoard events when tensorboardX is installed, a profiler trace of steps
     2-3); returns its run dir."""
     from jaxmoe.config import config_from_dict
-    from jaxmoe.data import load_corpus
+    from jaxmoe.data.corpus import load_corpus
     from jaxmoe.train import train
 
     run_dir = tmp_path_factory.mktemp("tiny_run")

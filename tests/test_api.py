@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxmoe
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import MeshConfig
-from jaxmoe.batches import heldout_batches
-from jaxmoe.data import load_corpus
+from jaxmoe.data.batches import heldout_batches
+from jaxmoe.data.corpus import load_corpus
 from jaxmoe.model.transformer import Transformer
 from jaxmoe.parallel.layout import GlobalLayout
 from jaxmoe.sharding import make_mesh
@@ -208,7 +208,7 @@ def test_local_config_is_dropless_unless_asked(model_and_params):
 def test_top_level_names():
     from jaxmoe.hf import load_hf
     assert jaxmoe.load_hf is load_hf
-    assert jaxmoe.hf.load_hf is load_hf and jaxmoe.plan.main  # submodules on first use
+    assert jaxmoe.hf.load_hf is load_hf and jaxmoe.plan.__doc__  # submodules on first use
     with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
         jaxmoe.nonesuch
 

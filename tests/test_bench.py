@@ -8,7 +8,7 @@ import json
 import jax
 import pytest
 
-from jaxmoe import bench
+from jaxmoe.plan import bench
 
 # After bench.SMALL_MODEL's overrides: a model that compiles in seconds.
 TINY = ["model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1", "model.mlp_hidden=64",
@@ -76,7 +76,7 @@ def test_parallel_reports_consistent_times_and_collective_bytes(tmp_path, capsys
     from jaxmoe.config import load_config
     from jaxmoe.model.dispatch import capacity
     from jaxmoe.model.transformer import Transformer
-    from jaxmoe.parallel.collectives import KINDS
+    from jaxmoe.plan.collectives import KINDS
     config = tmp_path / "toy.yaml"
     config.write_text(TOY)
     result = _run(tmp_path, ["parallel", *ONCE, "--config", str(config)])

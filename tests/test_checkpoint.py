@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxmoe import checkpoint
 from jaxmoe.config import config_from_dict
-from jaxmoe.data import load_corpus
+from jaxmoe.data.corpus import load_corpus
 from jaxmoe.model.transformer import map_moe_stack
 from jaxmoe.optim import learning_rate_schedule
 from jaxmoe.parallel.pipeline import StageStack

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from jaxmoe.parallel.collectives import (collective_bytes, collectives, compiled_collectives,
+from jaxmoe.plan.collectives import (collective_bytes, collectives, compiled_collectives,
                                          replica_groups, totals)
 
 X = 8 * 16 * 4  # bytes of each device's f32[8, 16] block

@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxmoe import data
-from jaxmoe.batches import MIX_PERIOD, BatchIterator, Prefetcher, heldout_batches, permute
-from jaxmoe.data import Corpus, DataError, Source, load_corpus
+from jaxmoe.data import corpus as data
+from jaxmoe.data.batches import MIX_PERIOD, BatchIterator, Prefetcher, heldout_batches, permute
+from jaxmoe.data.corpus import Corpus, DataError, Source, load_corpus
 
 L = 16  # seq_len used throughout
 
@@ -147,7 +147,7 @@ def test_the_fingerprint_follows_the_data_not_paths_or_times(tmp_path):
     _bin(tmp_path / "b" / "t.bin", np.arange(1, 1001) % 700, "<u2")
     other.add(load_corpus("tokens", str(tmp_path / "b" / "t.bin"), 700, L).fingerprint)
     assert len(other) == 4 and a not in other
-    script = (f"from jaxmoe.data import load_corpus; print(load_corpus('tokens', "
+    script = (f"from jaxmoe.data.corpus import load_corpus; print(load_corpus('tokens', "
               f"{str(tmp_path / 'a' / 't.bin')!r}, 700, {L}).fingerprint)")
     import subprocess
     import sys
@@ -164,7 +164,7 @@ def test_the_fingerprint_follows_the_data_not_paths_or_times(tmp_path):
 
 
 def test_a_prepared_corpus_is_fingerprinted_from_its_index(tmp_path, monkeypatch):
-    from jaxmoe.prepare import prepare
+    from jaxmoe.data.prepare import prepare
     from tiny_tokenizer import make_tokenizer, sentences
     (tmp_path / "doc.txt").write_text(" ".join(sentences(60)))
     out = tmp_path / "out"
@@ -427,7 +427,7 @@ def test_bad_sources_are_named(tmp_path):
 
 
 def test_a_changed_indexed_shard_is_refused(tmp_path):
-    from jaxmoe.prepare import prepare
+    from jaxmoe.data.prepare import prepare
     from tiny_tokenizer import make_tokenizer, sentences
     (tmp_path / "doc.txt").write_text(" ".join(sentences(60)))
     out = tmp_path / "out"
@@ -477,7 +477,7 @@ def test_heldout_batches_reach_every_source_of_a_mixture():
 
 
 def test_tiny_weights_still_get_a_slot():
-    from jaxmoe.batches import quotas
+    from jaxmoe.data.batches import quotas
     q = quotas([1.0, 1e-9, 1e-9])
     assert q.sum() == MIX_PERIOD and q.min() == 1
     assert quotas([3, 1]).tolist() == [MIX_PERIOD * 3 // 4, MIX_PERIOD // 4]

@@ -12,8 +12,8 @@ import pytest
 
 import jaxmoe
 from jaxmoe.config import ConfigError, config_from_dict
-from jaxmoe.data import load_corpus
-from jaxmoe.eval import before_stop, from_checkpoint, main, request_row, row_lengths
+from jaxmoe.data.corpus import load_corpus
+from jaxmoe.eval.harness import before_stop, from_checkpoint, main, request_row, row_lengths
 from jaxmoe.train import train
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -303,10 +303,10 @@ def test_bad_tasks_and_checkpoints_are_named(run, tasks, tmp_path, capsys):
 
 
 def test_training_refuses_tasks_it_cannot_run(tasks, tmp_path):
-    from jaxmoe.downstream import Downstream
+    from jaxmoe.eval.downstream import Downstream
     from jaxmoe.sharding import make_mesh
     from jaxmoe.step import build_steps
-    from jaxmoe.tokenizer import BYTE_TOKENIZER
+    from jaxmoe.data.tokenizer import BYTE_TOKENIZER
 
     (tmp_path / "gen.yaml").write_text((tasks / "probe_choice.yaml").read_text().replace(
         "probe_choice", "gen").replace("multiple_choice", "generate_until"))
@@ -323,10 +323,10 @@ def test_training_refuses_tasks_it_cannot_run(tasks, tmp_path):
 def test_in_loop_few_shot_examples_stay_the_same(tasks):
     """The few-shot sampler is reseeded at every evaluation: the same prompts (and so
     the same figures) each time, not a new draw per evaluation."""
-    from jaxmoe.downstream import Downstream
+    from jaxmoe.eval.downstream import Downstream
     from jaxmoe.sharding import make_mesh
     from jaxmoe.step import build_steps
-    from jaxmoe.tokenizer import BYTE_TOKENIZER
+    from jaxmoe.data.tokenizer import BYTE_TOKENIZER
 
     cfg = config_from_dict({**RUN, "train": {**RUN["train"], "evals": {
         "tasks": ["probe_choice"], "include_path": [str(tasks)], "num_fewshot": 2}}})

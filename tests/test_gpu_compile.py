@@ -12,14 +12,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmoe.config import config_from_dict, load_config
-from jaxmoe.hlo import Program, arrays
+from jaxmoe.plan.hlo import Program, arrays
 from jaxmoe.model.dispatch import capacity
 from jaxmoe.model.experts import ExpertWeights, expert_ffn
-from jaxmoe.parallel.collectives import collectives
-from jaxmoe.plan import compile_train_step, expert_gemm_ratios, routed_expert_flops
-from jaxmoe.program_flops import program_flops
-from jaxmoe.roofline import quantisations
-from jaxmoe.targets import EXTRA, compile_deviceless, gpu_compiler_available, virtual_devices
+from jaxmoe.plan.collectives import collectives
+from jaxmoe.plan.planner import compile_train_step, expert_gemm_ratios, routed_expert_flops
+from jaxmoe.plan.program_flops import program_flops
+from jaxmoe.plan.roofline import quantisations
+from jaxmoe.plan.targets import EXTRA, compile_deviceless, gpu_compiler_available, virtual_devices
 
 if not gpu_compiler_available():  # part of the test extra: missing is a failure, not a skip
     pytest.fail(f"the GPU compiler is not installed: {EXTRA}", pytrace=False)
@@ -319,9 +319,9 @@ def test_in_loop_scoring_stays_within_the_train_steps_memory():
     """train.evals on the 47B config for 8 B300s: the dropless scoring program at the
     rows `Downstream` picks plans less memory per device than the train step; at the
     training batch's shape, every expert buffer holding every token, it plans more."""
-    from jaxmoe.downstream import Downstream
-    from jaxmoe.plan import peak_bytes
-    from jaxmoe.tokenizer import BYTE_TOKENIZER
+    from jaxmoe.eval.downstream import Downstream
+    from jaxmoe.plan.planner import peak_bytes
+    from jaxmoe.data.tokenizer import BYTE_TOKENIZER
 
     cfg = load_config(Path(__file__).parent.parent / "configs" / "olmoe_8layer_e128.yaml",
                       ["mesh.data=1", "mesh.expert=8", "train.evals.tasks=[stdlib_word_order]",
@@ -335,7 +335,7 @@ def test_in_loop_scoring_stays_within_the_train_steps_memory():
                                          rows(jnp.int32, L + 1), rows(jnp.bool_, L)).lower()
         return peak_bytes(compile_deviceless(lowered).memory_analysis())
 
-    scorer = Downstream(cfg, steps, BYTE_TOKENIZER).lm.scorer
+    scorer = Downstream(cfg, steps, BYTE_TOKENIZER).scorer
     (L,) = scorer.lengths
     assert L < cfg.train.seq_len and scorer.batch % 8 == 0
     train = peak_bytes(compiled.memory_analysis())
@@ -430,8 +430,8 @@ def test_expert_exchanges_run_beside_compute(monkeypatch):
     (Which kernels land in a window is the scheduler's choice: benchmarks/RESULTS.md
     counts the windows that hold a GEMM.)"""
     from jaxmoe.kernels import Kernels
-    from jaxmoe.roofline import Link, roofline, row_exchanges
-    from jaxmoe.targets import TARGETS
+    from jaxmoe.plan.roofline import Link, roofline, row_exchanges
+    from jaxmoe.plan.targets import TARGETS
 
     link = Link.of(TARGETS["b300"])
 

@@ -180,7 +180,7 @@ TRAINED = {
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(TRAINED))
 def test_a_trained_model_exports_to_transformers_with_the_same_text(family, tmp_path):
-    from jaxmoe.data import load_corpus
+    from jaxmoe.data.corpus import load_corpus
     from jaxmoe.export import main as export_main
     from jaxmoe.generate import generate
     from jaxmoe.train import train
@@ -220,8 +220,8 @@ def test_a_trained_model_exports_to_transformers_with_the_same_text(family, tmp_
 
 
 def test_init_from_hf_starts_a_run_from_the_checkpoint(tmp_path):
-    from jaxmoe.batches import heldout_batches
-    from jaxmoe.data import load_corpus
+    from jaxmoe.data.batches import heldout_batches
+    from jaxmoe.data.corpus import load_corpus
     from jaxmoe.train import train
 
     model = _hf_model("qwen3_moe", tmp_path / "hf")

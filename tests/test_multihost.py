@@ -17,7 +17,7 @@ import pytest
 
 from jaxmoe import checkpoint
 from jaxmoe.config import ConfigError, MeshConfig, load_config
-from jaxmoe.data import load_corpus
+from jaxmoe.data.corpus import load_corpus
 from jaxmoe.distributed import DistributedError, Processes, add_arguments, settings
 from jaxmoe.launch import free_port, process_env
 from jaxmoe.sharding import AXES, device_grid, make_mesh, mesh_shape, process_rows

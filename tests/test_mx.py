@@ -309,7 +309,7 @@ def test_mxfp8_experts_under_ep_match_one_device(dispatcher):
 @pytest.mark.slow
 def test_mxfp8_training_tracks_bf16(tmp_path):
     from jaxmoe.config import config_from_dict
-    from jaxmoe.data import load_corpus
+    from jaxmoe.data.corpus import load_corpus
     from jaxmoe.train import train
     corpus = load_corpus("stdlib", None, 256, 64)
     losses = {}

@@ -7,7 +7,7 @@ import pytest
 import yaml
 from jax.profiler import ProfileData
 
-from jaxmoe import perf
+from jaxmoe.observe import perf
 from jaxmoe.config import ConfigError, config_from_dict, flops_per_token
 from jaxmoe.train import profile_override
 

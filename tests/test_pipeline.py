@@ -17,7 +17,7 @@ from jaxmoe.checkpoint import abstract_target
 from jaxmoe.config import ConfigError, config_from_dict
 from jaxmoe.parallel.layout import layout_for
 from jaxmoe.parallel.pipeline import StageStack, bubble_fraction
-from jaxmoe.program_flops import program_flops
+from jaxmoe.plan.program_flops import program_flops
 from jaxmoe.sharding import make_mesh, per_device_shapes
 from jaxmoe.model.transformer import Transformer
 from jaxmoe.step import build_steps

@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from jaxmoe.config import load_config
-from jaxmoe.plan import expert_gemm_ratios, routed_expert_flops
+from jaxmoe.plan.planner import expert_gemm_ratios, routed_expert_flops
 from jaxmoe.step import abstract_model
 
 ROOT = Path(__file__).parent.parent
@@ -20,7 +20,7 @@ CONFIG = "configs/olmoe_8layer_e128.yaml"
 def _plan(tmp_path, *args):
     out = tmp_path / "plan.json"
     result = subprocess.run(
-        [sys.executable, "-m", "jaxmoe.plan", "--config", CONFIG, "--mesh", "data=1,expert=8",
+        [sys.executable, "-m", "jaxmoe.plan.planner", "--config", CONFIG, "--mesh", "data=1,expert=8",
          *args, "--json", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     return json.loads(out.read_text()), result.stdout
@@ -102,7 +102,7 @@ def test_cpu_target_plans_with_stand_ins(tmp_path, b300):
 
 def test_plan_rejects_bad_arguments():
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "jaxmoe.plan", "--config", CONFIG, *args],
+        return subprocess.run([sys.executable, "-m", "jaxmoe.plan.planner", "--config", CONFIG, *args],
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
     result = run()
     assert result.returncode == 2 and "no -1" in result.stderr
@@ -122,7 +122,7 @@ def test_trillion_configs_fit_a_b300_with_headroom(tmp_path, config, hosts_in_ex
     host none."""
     out = tmp_path / "plan.json"
     result = subprocess.run(
-        [sys.executable, "-m", "jaxmoe.plan", "--config", config, "--target", "b300",
+        [sys.executable, "-m", "jaxmoe.plan.planner", "--config", config, "--target", "b300",
          "--reference-tflops", "858", "--json", str(out)],
         capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr

@@ -1,4 +1,4 @@
-"""python -m jaxmoe.prepare: documents -> token shards with one EOS each, an index, a
+"""python -m jaxmoe.data.prepare: documents -> token shards with one EOS each, an index, a
 held-out split by document, uint16/uint32 by vocabulary, resumable after a crash."""
 
 import json
@@ -7,10 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from jaxmoe import prepare as prep
-from jaxmoe.data import DataError, load_corpus
-from jaxmoe.prepare import PrepareError, is_heldout, main, prepare
-from jaxmoe.tokenizer import load_tokenizer
+from jaxmoe.data import prepare as prep
+from jaxmoe.data.corpus import DataError, load_corpus
+from jaxmoe.data.prepare import PrepareError, is_heldout, main, prepare
+from jaxmoe.data.tokenizer import load_tokenizer
 from tiny_tokenizer import make_tokenizer, sentences
 
 
@@ -113,7 +113,7 @@ def test_a_crash_mid_shard_leaves_nothing_that_reads_as_complete(tmp_path, tok_d
         prepare(*args, **kw)
     out = tmp_path / "out"
     assert not (out / "index.json").exists() and list(out.glob("*.partial"))
-    with pytest.raises(DataError, match="has no index.json: make it with python -m jaxmoe.prepare"):
+    with pytest.raises(DataError, match="has no index.json: make it with python -m jaxmoe.data.prepare"):
         load_corpus("tokens", str(out), 300, 4)
     # a glob over the shards finds only complete ones: two whole units' shards
     names = sorted(p.name for p in out.glob("*.bin"))
@@ -160,7 +160,7 @@ def test_bad_inputs_are_refused_by_name(tmp_path, tok_dir, inputs):
         prepare([str(root / "ds")], tmp_path / "o4", str(tok_dir), progress=False)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    with pytest.raises(PrepareError, match="mine is not empty and was not made by jaxmoe.prepare"):
+    with pytest.raises(PrepareError, match="mine is not empty and was not made by jaxmoe.data.prepare"):
         prepare([str(root / "txt")], tmp_path / "mine", str(tok_dir), progress=False)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     import datasets

@@ -6,8 +6,8 @@ that do not matter here left out)."""
 
 import pytest
 
-from jaxmoe.hlo import Program
-from jaxmoe.program_flops import pass_of, program_flops, scope_of
+from jaxmoe.plan.hlo import Program
+from jaxmoe.plan.program_flops import pass_of, program_flops, scope_of
 
 HLO = """HloModule jit_step, num_partitions=1
 

@@ -26,7 +26,7 @@ TOY_ARGS = {
     "jaxmoe.train": [a for s in TOY_MODEL + TOY_RUN for a in ("--set", s)],
     "jaxmoe.launch": [a for s in TOY_MODEL + TOY_RUN for a in ("--set", s)],
     "jaxmoe.generate": ["--max-new-tokens", "8"],
-    "jaxmoe.prepare": ["--no-progress"],
+    "jaxmoe.data.prepare": ["--no-progress"],
     "jaxmoe.export": [],
     "jaxmoe.eval": ["--limit", "4", "--max-length", "128"],  # the toy runs' rows are 32 long
     # the shipped batch and layer count; narrow layers, short sequences
@@ -55,7 +55,7 @@ def readme_commands() -> list[str]:
 
 
 def _module(command: str) -> str:
-    match = re.search(r"python -m (jaxmoe\.\w+)", command)
+    match = re.search(r"python -m (jaxmoe[.\w]+)", command)
     assert match, f"README command runs no jaxmoe module: {command}"
     return match.group(1)
 

@@ -5,8 +5,8 @@ one), in XLA:GPU's text form, on a device with round figures."""
 
 import pytest
 
-from jaxmoe.hlo import Program
-from jaxmoe.roofline import LATENCY_S, Link, roofline, summary
+from jaxmoe.plan.hlo import Program
+from jaxmoe.plan.roofline import LATENCY_S, Link, roofline, summary
 
 HLO = """HloModule jit_step, num_partitions=2
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxmoe import sinks
+from jaxmoe.observe import sinks
 from jaxmoe.config import ConfigError, config_from_dict
 
 

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe import heldout
+from jaxmoe.eval import heldout
 from jaxmoe.checkpoint import abstract_target
 from jaxmoe.config import ConfigError, MeshConfig, config_from_dict, override_config
-from jaxmoe.parallel.collectives import compiled_collective_bytes, compiled_collectives, totals
+from jaxmoe.plan.collectives import compiled_collective_bytes, compiled_collectives, totals
 from jaxmoe.sharding import fraction_per_device, make_mesh, per_device_shapes
 from jaxmoe.step import build_steps
 

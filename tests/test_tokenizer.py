@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from jaxmoe.tokenizer import (BYTE_TOKENIZER, TokenizerError, check_vocab, load_tokenizer)
+from jaxmoe.data.tokenizer import (BYTE_TOKENIZER, TokenizerError, check_vocab, load_tokenizer)
 from tiny_tokenizer import EOS, make_tokenizer, sentences
 
 

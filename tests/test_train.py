@@ -13,7 +13,7 @@ import pytest
 
 from jaxmoe import checkpoint
 from jaxmoe.config import config_from_dict
-from jaxmoe.data import load_corpus
+from jaxmoe.data.corpus import load_corpus
 from jaxmoe.train import main, train
 
 SMALL = {
@@ -152,8 +152,8 @@ def test_heldout_loss_of_each_source(tmp_path):
     import math
 
     import jaxmoe
-    from jaxmoe.batches import heldout_batches
-    from jaxmoe.tokenizer import load_tokenizer
+    from jaxmoe.data.batches import heldout_batches
+    from jaxmoe.data.tokenizer import load_tokenizer
     from tiny_tokenizer import make_tokenizer, sentences
 
     tok = load_tokenizer(make_tokenizer(tmp_path / "tok"))

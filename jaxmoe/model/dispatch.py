@@ -5,10 +5,10 @@ The local dispatchers share one signature,
     dispatcher(x_TxD, routing, weights, cfg, kernels) -> Dispatched(y_TxD, dropped)
 
 so the router and the experts never change when one is added (`kernels`: what
-the target runs, `jaxmoe.kernels`; None: the default device's). `dense` (every
-expert on every token) is the reference; `grouped` packs the copies into fixed
-per-expert buffers for a batched GEMM. The expert-parallel dispatchers live in
-`jaxmoe.parallel.ep_dispatch`; a layout (`jaxmoe.parallel.layout`) picks one.
+the target runs, `jaxmoe.kernels`; None: the default device's). `dense` (every expert on every token) is the
+reference; `grouped` packs the copies into fixed per-expert buffers for a batched
+GEMM. The expert-parallel dispatchers (`jaxmoe.parallel.ep_dispatch`) share the
+signature; the layout the model runs in chooses one by name (`Layout.dispatch`).
 """
 
 from __future__ import annotations
@@ -30,18 +30,7 @@ class Dispatched(NamedTuple):
     dropped: jax.Array  # int32: token copies that found no room (0 when dropless)
 
 
-Dispatcher = Callable[[jax.Array, Routing, ExpertWeights, MoEConfig, Kernels | None], Dispatched]
-LOCAL_DISPATCHERS = ("dense", "grouped")
-
-
-def get_dispatcher(name: str) -> Dispatcher:
-    """A local dispatcher by name; the expert-parallel ones need a layout."""
-    local = {"dense": dense_dispatch, "grouped": grouped_dispatch}
-    if name not in local:
-        raise ValueError(f"moe.dispatcher: {name!r} is not a local dispatcher "
-                         f"{LOCAL_DISPATCHERS}; expert-parallel dispatchers run with a device "
-                         "mesh (`mesh=` in the API, a mesh in the config for training)")
-    return local[name]
+Dispatcher = Callable[[jax.Array, Routing, ExpertWeights, MoEConfig, Kernels], Dispatched]
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
@@ -123,3 +112,7 @@ def grouped_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
     y_ExCxD = expert_ffn(w, x_ExCxD, cfg, kernels)
     y_TxD = combine_rows(y_ExCxD.reshape(E * C, D), slot_N, routing.gate_TxK.T)
     return Dispatched(y_TxD, jnp.sum(~kept_N).astype(jnp.int32))
+
+
+# by name; a layout chooses among these and the expert-parallel ones
+LOCAL = {"dense": dense_dispatch, "grouped": grouped_dispatch}

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.model.dispatch import get_dispatcher
 from jaxmoe.model.experts import Experts
 from jaxmoe.model.layers import MLP
+from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
 from jaxmoe.model.router import Router, balance_loss, expert_counts, z_loss
 
 # The router statistics that are means over a call's tokens (totalled over batch
@@ -25,12 +25,12 @@ class MoE(nnx.Module):
             self.shared = MLP(d_model, cfg.shared_expert_hidden, std, out_std, rngs)
         self.cfg = cfg
 
-    def __call__(self, x_BxLxD: jax.Array, layout=None,
+    def __call__(self, x_BxLxD: jax.Array, layout: LocalLayout = LOCAL_LAYOUT,
                  jitter_key: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Returns the layer output and its router statistics (losses unscaled).
 
-        layout: where the layer runs (`jaxmoe.parallel.layout`); None runs the
-        local dispatchers on this call's tokens.
+        layout: where the layer runs (`jaxmoe.model.layout`; a mesh's in
+        `jaxmoe.parallel.layout`); by default one device and the local dispatchers.
 
         aux: balance_loss (at the configured scope), z_loss, and sums over this
         call's tokens for the load metrics: counts (requested copies per expert,
@@ -43,10 +43,7 @@ class MoE(nnx.Module):
         routing = self.router(x_TxD, jitter_key)
         counts_E = expert_counts(routing.expert_TxK, cfg.num_experts)
         with jax.named_scope("dispatch"):
-            if layout is None:
-                out = get_dispatcher(cfg.dispatcher)(x_TxD, routing, self.experts.weights(), cfg)
-            else:
-                out = layout.dispatch(x_TxD, routing, self.experts.weights(), cfg)
+            out = layout.dispatch(x_TxD, routing, self.experts.weights(), cfg)
         y_TxD = out.y_TxD
         if cfg.shared_expert_hidden:
             with jax.named_scope("shared_expert"):
@@ -61,11 +58,11 @@ class MoE(nnx.Module):
         }
         return y_TxD.reshape(B, L, D).astype(x_BxLxD.dtype), aux
 
-    def _balance_loss(self, routing, batch: int, layout) -> jax.Array:
+    def _balance_loss(self, routing, batch: int, layout: LocalLayout) -> jax.Array:
         scope = self.cfg.balance_scope
         if scope == "sequence":
             return balance_loss(routing, batch)
         if scope == "microbatch":  # one group per device's batch shard
-            return balance_loss(routing, 1 if layout is None else layout.batch_shards)
+            return balance_loss(routing, layout.batch_shards)
         # the whole batch, whichever devices hold it
-        return balance_loss(routing, 1, None if layout is None else layout.batch_total)
+        return balance_loss(routing, 1, layout.batch_total)

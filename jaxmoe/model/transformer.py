@@ -4,9 +4,9 @@ Layers of one kind share a stack whose parameters carry a leading `layers`
 axis; `lax.scan` runs the stack, so compile time does not grow with depth.
 The first `num_dense_layers` layers form a dense-MLP stack, the rest a MoE stack.
 
-Nothing here knows the mesh: calls take a `layout` (`jaxmoe.parallel.layout`)
-that pins activations, dispatches tokens and runs the MoE stack, or None for
-one device.
+Nothing here knows the mesh: calls take a layout that pins activations, dispatches
+tokens and runs the MoE stack (`jaxmoe.model.layout`'s for one device, the default;
+a mesh's from `jaxmoe.parallel.layout`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -23,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmoe.config import Config
 from jaxmoe.model.attention import Attention
 from jaxmoe.model.layers import MLP, RMSNorm, param
+from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
 from jaxmoe.model.moe import MoE
 from jaxmoe.model.remat import LAYER_INPUT, REMAT_POLICIES
 
@@ -47,14 +47,14 @@ class Block(nnx.Module):
         self.use_moe = use_moe
         self.mlp_chunk = cfg.train.dense_mlp_chunk
 
-    def __call__(self, x_BxLxD, positions_BxL, layout=None, jitter_key=None):
-        x_BxLxD = _constrain(x_BxLxD, layout)
-        kernels = None if layout is None else layout.kernels
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, kernels)
+    def __call__(self, x_BxLxD, positions_BxL, layout: LocalLayout = LOCAL_LAYOUT,
+                 jitter_key=None):
+        x_BxLxD = layout.constrain_batch(x_BxLxD)
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, layout.kernels)
         x_BxLxD, aux = self.feed_forward(x_BxLxD, layout, jitter_key)
-        return _constrain(x_BxLxD, layout), aux
+        return layout.constrain_batch(x_BxLxD), aux
 
-    def feed_forward(self, x_BxLxD, layout=None, jitter_key=None):
+    def feed_forward(self, x_BxLxD, layout: LocalLayout = LOCAL_LAYOUT, jitter_key=None):
         """The block's second half, shared with KV-cache decoding: x + MLP or MoE of
         norm(x), and the MoE's aux ({} for a dense layer)."""
         h = self.mlp_norm(x_BxLxD)
@@ -89,10 +89,6 @@ def _joined(a_NxBxLcx) -> jax.Array:
     return a_NxBxLcx.swapaxes(0, 1).reshape(B, N * Lc, *a_NxBxLcx.shape[3:])
 
 
-def _constrain(x, layout):
-    return x if layout is None else layout.constrain_batch(x)
-
-
 def in_moe_stack(path) -> bool:
     """Whether a tree path runs through the MoE stack (a `moe_layers` key)."""
     return any(getattr(k, "key", None) == "moe_layers" for k in path)
@@ -110,8 +106,8 @@ def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs, held=None) -> Blo
     rng stream's splits (a prefix of any longer split's).
 
     held: a `StageStack` (a pipeline's): the stack made as its stages hold it,
-    [V, S, per, ...], the same layers as ever at their model-order positions and
-    zeros in the padding. Each stage's chunks are drawn stage-major ([S, V, per]
+    [W, S, per, ...], the same layers as ever at their model-order positions and
+    zeros in the padding. Each stage's chunks are drawn stage-major ([S, W, per]
     flattened), so a program sharded over `stage` draws each chunk on its stage.
     """
     # MoE layers are what pipeline stages split ("layers" -> stage); the few dense
@@ -130,15 +126,13 @@ def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs, held=None) -> Blo
     keys, counts = forked.key[...], forked.count[...]
     if held is None:
         return make(keys, counts)
-    V, S, per = held
-    # slot (s, v, j) of the stage-major draw is model layer (v S + s) per + j
-    s_, v_, j_ = np.meshgrid(np.arange(S), np.arange(V), np.arange(per), indexing="ij")
-    order = ((v_ * S + s_) * per + j_).reshape(-1)
+    W, S, per = held
+    order = held.stage_major()
     blocks = make(keys[order], counts[order])
     real = held.real(n)
 
-    def to_held(a):  # [S V per, ...] -> [V, S, per, ...], padding zeroed
-        a = jnp.swapaxes(a.reshape(S, V, per, *a.shape[1:]), 0, 1)
+    def to_held(a):  # [S W per, ...] -> [W, S, per, ...], padding zeroed
+        a = jnp.swapaxes(a.reshape(S, W, per, *a.shape[1:]), 0, 1)
         return jnp.where(real.reshape(real.shape + (1,) * (a.ndim - 3)), a, jnp.zeros((), a.dtype))
 
     nnx.update(blocks, jax.tree.map(to_held, nnx.state(blocks)))
@@ -182,7 +176,7 @@ def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str
 class Transformer(nnx.Module):
     def __init__(self, cfg: Config, rngs: nnx.Rngs, held=None):
         """held: a pipeline's `StageStack`, to make the MoE stack as its stages hold it
-        (the same values, [V, S, per, ...]); None: [Lm, ...] in model order."""
+        (the same values, [W, S, per, ...]); None: [Lm, ...] in model order."""
         m = cfg.model
         self.embed = param(rngs, (m.vocab_size, m.d_model), ("vocab", "embed"), m.init_std)
         if m.num_dense_layers:
@@ -193,17 +187,17 @@ class Transformer(nnx.Module):
         self.head = param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.init_std)
         self.cfg = cfg
 
-    def __call__(self, tokens_BxL: jax.Array, *, layout=None,
+    def __call__(self, tokens_BxL: jax.Array, *, layout: LocalLayout = LOCAL_LAYOUT,
                  key: jax.Array | None = None, remat: str = "none") -> tuple[jax.Array, dict]:
         """Returns fp32 logits [B, L, V] and aux: per MoE layer router stats, stacked.
 
-        `key` enables training-time randomness (router jitter); `layout` is needed
-        by the expert-parallel dispatchers and pipelines only.
+        `key` enables training-time randomness (router jitter); `layout` says where the
+        model runs (one device by default; a mesh's for expert parallelism and pipelines).
         """
         x_BxLxD, aux = self.hidden(tokens_BxL, layout=layout, key=key, remat=remat)
         return self.logits(x_BxLxD, layout), aux
 
-    def hidden(self, tokens_BxL: jax.Array, *, layout=None,
+    def hidden(self, tokens_BxL: jax.Array, *, layout: LocalLayout = LOCAL_LAYOUT,
                key: jax.Array | None = None, remat: str = "none") -> tuple[jax.Array, dict]:
         """The last block's output [B, L, D] (before the final norm) and aux."""
         m = self.cfg.model
@@ -211,30 +205,33 @@ class Transformer(nnx.Module):
         positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
         with jax.named_scope("embed"):
             x = self.embed[...][tokens_BxL].astype(jnp.dtype(m.compute_dtype))
-        x = _constrain(x, layout)
+        x = layout.constrain_batch(x)
         aux = {}
         if m.num_dense_layers:
             x, _ = run_stack(self.dense_layers, x, positions_BxL, layout, None, remat)
-        if self.cfg.num_moe_layers and layout is not None:
+        if self.cfg.num_moe_layers:
             x, aux = layout.run_moe_stack(self, x, positions_BxL, key, remat)
-        elif self.cfg.num_moe_layers:
-            graphdef, state = self.moe_stack()
-            x, aux = scan_layers(graphdef, state, x, positions_BxL, None, key, remat)
         return x, aux
 
     def moe_stack(self) -> tuple[nnx.GraphDef, nnx.State]:
         """The MoE layers' graphdef and stacked state: [Lm, ...] in model order, or
-        [V, S, per, ...] for a model made `held` by pipeline stages."""
+        [W, S, per, ...] for a model made `held` by pipeline stages."""
         return nnx.split(self.moe_layers)
 
-    def logits(self, x_BxLxD: jax.Array, layout=None) -> jax.Array:
+    def scan_moe_layers(self, x_BxLxD, positions_BxL, layout: LocalLayout, key, remat: str):
+        """The MoE layers, one scan in model order (a layout without pipeline stages)."""
+        graphdef, state = self.moe_stack()
+        return scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat)
+
+    def logits(self, x_BxLxD: jax.Array, layout: LocalLayout = LOCAL_LAYOUT) -> jax.Array:
         """Final norm and LM head: fp32 logits [B, L, V]."""
         with jax.named_scope("lm_head"):
             x_BxLxD = self.final_norm(x_BxLxD)
             logits = jnp.einsum("bld,dv->blv", x_BxLxD, self.head[...].astype(x_BxLxD.dtype))
-            return _constrain(logits, layout).astype(jnp.float32)
+            return layout.constrain_batch(logits).astype(jnp.float32)
 
-    def target_logprobs(self, x_BxLxD: jax.Array, targets_BxL: jax.Array, layout=None,
+    def target_logprobs(self, x_BxLxD: jax.Array, targets_BxL: jax.Array,
+                        layout: LocalLayout = LOCAL_LAYOUT,
                         chunk: int = 0) -> tuple[jax.Array, jax.Array]:
         """From `hidden`'s output: log p(target) [B, L], and whether each target is the
         model's argmax [B, L] (the first of tied maxima, as torch's argmax). chunk > 0:
@@ -253,7 +250,8 @@ class Transformer(nnx.Module):
                              (_chunks(x_BxLxD, chunk), _chunks(targets_BxL, chunk)))
         return tuple(_joined(a_NxBxLb) for a_NxBxLb in scores)
 
-    def cross_entropy(self, x_BxLxD: jax.Array, targets_BxL: jax.Array, layout=None,
+    def cross_entropy(self, x_BxLxD: jax.Array, targets_BxL: jax.Array,
+                      layout: LocalLayout = LOCAL_LAYOUT,
                       chunk: int = 0) -> jax.Array:
         """Mean next-token cross-entropy from `hidden`'s output. chunk > 0: the head
         runs `chunk` positions at a time, recomputed in the backward pass, so only

@@ -33,7 +33,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.parallel.vma import vary, varying_axes
+from jaxmoe.ops.vma import vary, varying_axes
 
 BLOCK = 32
 E4M3_MAX = 448.0

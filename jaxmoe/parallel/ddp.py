@@ -28,11 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxmoe.parallel.vma import vary
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+from jaxmoe.ops.vma import vary
+from jaxmoe.sharding import spec_axes
 
 
 @dataclass(frozen=True)
@@ -49,12 +46,12 @@ class Reduction:
 def reduction(param_spec: P, opt_spec: P, mesh: Mesh) -> Reduction:
     """The plan for a parameter placed by `param_spec` whose optimizer state is
     placed by `opt_spec` (`sharding.zero1_spec` of it, or the same spec)."""
-    held = {a for e in param_spec for a in _axes(e)}
+    held = {a for e in param_spec for a in spec_axes(e)}
     varying = tuple(a for a in mesh.axis_names if a not in held)
     scatter, dim = (), 0
     padded = tuple(param_spec) + (None,) * (len(opt_spec) - len(param_spec))
     for i, (p_entry, o_entry) in enumerate(zip(padded, tuple(opt_spec))):
-        added = tuple(a for a in _axes(o_entry) if a not in _axes(p_entry))
+        added = tuple(a for a in spec_axes(o_entry) if a not in spec_axes(p_entry))
         if added:
             scatter, dim = added, i
     # size-1 axes too: the reduced value must be invariant over every axis it does

@@ -3,15 +3,16 @@
 Experts are split over the mesh axis "expert": R ranks with El = E / R local
 experts each, global expert e = rank * El + local_e. Tokens are split over the
 batch axes ("data", "expert"), so every device holds Tl = T / (data * R) tokens
-and their routing. Each dispatcher is a per-device function (`PER_DEVICE`) that
+and their routing. Each dispatcher is a per-device function (`EXPERT_PARALLEL`) that
 moves the Tl * K routed copies to the ranks owning their experts, runs the local
 experts on fixed per-expert row buffers [El, C, D] as one batched GEMM
 (`expert_ffn`: plain GEMMs on every backend, MXFP8 where configured) and brings
 the outputs back to be combined with the gates. Every buffer holds
 `moe.capacity_factor` x its uniform share of rows; copies past it are dropped,
-first choices last, and counted. The ddp step calls a dispatcher inside its own
-`shard_map`; for a caller with the global view (`EP_DISPATCHERS`) it is wrapped
-in one, so neither the router nor the expert weights change.
+first choices last, and counted. They take the local dispatchers' arguments and run
+where the `expert` axis is bound: inside the ddp step's `shard_map`, or inside the
+one a layout with the global view opens (`jaxmoe.parallel.layout`), so neither the
+router nor the expert weights change.
 
 - `alltoall`: a capacity C per (source device, expert), fixed [R, El, C, D] send
   blocks and `all_to_all`: the wire carries the padding too.
@@ -39,9 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxmoe.config import MoEConfig, check_expert_split
+from jaxmoe.config import MoEConfig
 from jaxmoe.kernels import Kernels
 from jaxmoe.model.dispatch import (Dispatched, buffer_slots, capacity, combine_rows, gather_rows,
                                    routed_copies)
@@ -49,21 +49,6 @@ from jaxmoe.model.experts import ExpertWeights, expert_ffn
 from jaxmoe.model.remat import EXCHANGE_BACK, EXCHANGE_OUT
 from jaxmoe.model.router import Routing
 from jaxmoe.parallel.ragged_cpu import install_cpu_lowering
-from jaxmoe.sharding import BATCH_AXES
-
-TOKENS = P(BATCH_AXES)  # leading token dim split over ("data", "expert")
-EXPERTS = P("expert")  # leading expert dim split over "expert"; fsdp's D split is re-gathered
-_IN_SPECS = (TOKENS, TOKENS, TOKENS, ExpertWeights(EXPERTS, EXPERTS))
-
-
-def _ep_layout(cfg: MoEConfig, mesh: Mesh | None, name: str) -> tuple[int, int]:
-    """(R, El) for an expert-parallel dispatcher, with the errors a user can act on."""
-    if mesh is None:
-        raise ValueError(f"moe.dispatcher: {name!r} is expert-parallel and needs a device mesh "
-                         f"(got mesh=None); use 'grouped' or 'dense' without one")
-    R = mesh.shape["expert"]
-    check_expert_split(cfg.num_experts, R)
-    return R, cfg.num_experts // R
 
 
 def prepare(name: str, kernels: Kernels) -> None:
@@ -73,33 +58,11 @@ def prepare(name: str, kernels: Kernels) -> None:
         install_cpu_lowering()
 
 
-def _global(name: str):
-    """The per-device dispatcher `name` for a caller holding global arrays: one
-    `shard_map` over the mesh, drops summed over the batch."""
-    per_device = PER_DEVICE[name]
-
-    def dispatcher(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
-                   mesh: Mesh | None = None) -> Dispatched:
-        R, _ = _ep_layout(cfg, mesh, name)
-        kernels = Kernels.of_mesh(mesh)
-        prepare(name, kernels)
-
-        def local(x_TlxD, expert_TlxK, gate_TlxK, w_local):
-            out = per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local, cfg, R, kernels)
-            return out._replace(dropped=lax.psum(out.dropped, BATCH_AXES))
-
-        return jax.shard_map(local, mesh=mesh, in_specs=_IN_SPECS,
-                             out_specs=Dispatched(TOKENS, P()), check_vma=True)(
-            x_TxD, routing.expert_TxK, routing.gate_TxK, w)
-
-    return dispatcher
-
-
 # ------------------------------------------------------------------ alltoall
 
 
-def alltoall_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights, cfg: MoEConfig,
-                        R: int, kernels: Kernels) -> Dispatched:
+def alltoall(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
+             kernels: Kernels) -> Dispatched:
     """Capacity-bounded EP with row-wise placement; `dropped` counts this device's.
 
     Each copy is written straight into its slot [dest rank, local expert, row] of
@@ -109,6 +72,7 @@ def alltoall_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights, 
     capacity per (source device, expert), so drops are decided, and counted, at
     the source before anything moves.
     """
+    expert_TlxK, gate_TlxK, R = routing.expert_TxK, routing.gate_TxK, lax.axis_size("expert")
     E, K = cfg.num_experts, cfg.top_k
     El = E // R
     Tl, D = x_TlxD.shape
@@ -132,8 +96,8 @@ def alltoall_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights, 
 # ------------------------------------------------------------------ allgather
 
 
-def allgather_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights, cfg: MoEConfig,
-                         R: int, kernels: Kernels) -> Dispatched:
+def allgather(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
+              kernels: Kernels) -> Dispatched:
     """EP without a data-dependent exchange: gather, compute local, reduce-scatter.
 
     Every device sees the expert group's Tg = R * Tl tokens and packs the copies
@@ -142,6 +106,7 @@ def allgather_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights,
     token's output is then the sum over ranks, which `psum_scatter` delivers to its
     owner. `dropped` counts this rank's experts' overflow, over the whole group.
     """
+    expert_TlxK, gate_TlxK, R = routing.expert_TxK, routing.gate_TxK, lax.axis_size("expert")
     E, K = cfg.num_experts, cfg.top_k
     El = E // R
     Tl, D = x_TlxD.shape
@@ -213,8 +178,8 @@ def ragged_plan(counts_RxE: jax.Array, rank: jax.Array, El: int, C: int) -> Ragg
     return RaggedPlan(forward, backward, dropped)
 
 
-def ragged_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights, cfg: MoEConfig,
-                      R: int, kernels: Kernels) -> Dispatched:
+def ragged(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
+           kernels: Kernels) -> Dispatched:
     """EP that moves only the routed rows, into per-expert buffers pooled over sources.
 
     Copies are sorted by expert (hence by destination rank), every rank's
@@ -225,6 +190,7 @@ def ragged_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights, cf
     with R: the receive buffer is [El * C, D] and the returned one [Tl * K, D].
     Copies that find no room come back as zero rows (they add nothing).
     """
+    expert_TlxK, gate_TlxK, R = routing.expert_TxK, routing.gate_TxK, lax.axis_size("expert")
     E, K = cfg.num_experts, cfg.top_k
     El = E // R
     Tl, D = x_TlxD.shape
@@ -254,6 +220,6 @@ def ragged_per_device(x_TlxD, expert_TlxK, gate_TlxK, w_local: ExpertWeights, cf
 
 # ------------------------------------------------------------------ registry
 
-PER_DEVICE = {"alltoall": alltoall_per_device, "allgather": allgather_per_device,
-              "ragged": ragged_per_device}
-EP_DISPATCHERS = {name: _global(name) for name in PER_DEVICE}
+# by name: per-device functions with the local dispatchers' signature, run where the
+# `expert` axis is bound (the ddp step's shard_map, or `GlobalLayout.dispatch`'s)
+EXPERT_PARALLEL = {"alltoall": alltoall, "allgather": allgather, "ragged": ragged}

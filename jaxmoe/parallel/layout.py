@@ -2,15 +2,16 @@
 
 The training step asks a layout where every tensor lives (the rules table of
 `mesh.parallelism`, ZeRO-1, the batch split, and, with pipeline stages, the MoE
-stack held as [V, S, per, ...] chunks: `StageStack`, model order when flattened)
+stack held as [W, S, per, ...] chunks: `StageStack`, model order when flattened)
 and checks the config against the mesh through it. The model never sees the
-mesh. It takes a layout (or None: the default device, local dispatchers) and
-asks it six things: which kernels its devices run (`kernels`: attention, MXFP8,
-the ragged exchange, read from the mesh's devices, not the host's), pin
-activations to the batch split, run an MoE layer's dispatch, total a per-shard
-router statistic over the batch, run the stacked MoE layers (a scan, or a
-pipeline over `stage`), and weigh what it computed from its output, the loss or a
-row's score (with pipeline stages, only the last stage's output counts).
+mesh: it asks its layout six things (`jaxmoe.model.layout`, whose `LocalLayout`
+answers them for one device and which the layouts here extend): which kernels its
+devices run (`kernels`: attention, MXFP8, the ragged exchange, read from the mesh's
+devices, not the host's), pin activations to the batch split, run an MoE layer's
+dispatch (the expert-parallel dispatchers join the local ones here), total a
+per-shard router statistic over the batch, run the stacked MoE layers (a scan, or
+a pipeline over `stage`), and weigh what it computed from its output, the loss or
+a row's score (with pipeline stages, only the last stage's output counts).
 
 - `GlobalLayout`: the model sees global arrays and XLA partitions the program
   (fsdp, and the pure-function API with `mesh=`). Expert-parallel dispatchers
@@ -30,10 +31,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmoe import sharding
-from jaxmoe.config import Config, ConfigError, MoEConfig
+from jaxmoe.config import Config, ConfigError, MoEConfig, check_expert_split
 from jaxmoe.kernels import Kernels
-from jaxmoe.model.dispatch import LOCAL_DISPATCHERS, Dispatched, get_dispatcher
-from jaxmoe.model.transformer import in_moe_stack, map_moe_stack, scan_layers
+from jaxmoe.model.dispatch import LOCAL, Dispatched
+from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
+from jaxmoe.model.router import Routing
+from jaxmoe.model.transformer import in_moe_stack, map_moe_stack
 from jaxmoe.parallel import ep_dispatch
 from jaxmoe.parallel.pipeline import StageStack, device_pipeline, pipeline
 from jaxmoe.sharding import BATCH_AXES
@@ -41,25 +44,13 @@ from jaxmoe.sharding import BATCH_AXES
 
 def dispatch_on_mesh(x_TxD, routing, weights, cfg: MoEConfig, mesh: Mesh | None) -> Dispatched:
     """`cfg.dispatcher` for a caller holding global arrays (None: one device)."""
-    if cfg.dispatcher not in LOCAL_DISPATCHERS:  # refuses mesh=None, naming the key
-        return ep_dispatch.EP_DISPATCHERS[cfg.dispatcher](x_TxD, routing, weights, cfg, mesh)
-    dispatcher = get_dispatcher(cfg.dispatcher)
-    kernels = Kernels.default() if mesh is None else Kernels.of_mesh(mesh)
-    if mesh is None or mesh.shape["data"] * mesh.shape["expert"] == 1:
-        # one batch shard: a shard_map would only wrap the expert weights and
-        # their gradients in copies at every layer
-        return dispatcher(x_TxD, routing, weights, cfg, kernels)
-
-    def local(x, r, w):  # each device packs its own tokens
-        out = dispatcher(x, r, w, cfg, kernels)
-        return out._replace(dropped=lax.psum(out.dropped, BATCH_AXES))
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(BATCH_AXES), P(BATCH_AXES), P()),
-                         out_specs=Dispatched(P(BATCH_AXES), P()))(x_TxD, routing, weights)
+    return layout_for(None, mesh).dispatch(x_TxD, routing, weights, cfg)
 
 
-class GlobalLayout:
+class GlobalLayout(LocalLayout):
     """The auto-sharded program's view: global arrays, placed by sharding rules."""
+
+    dispatchers = {**LOCAL, **ep_dispatch.EXPERT_PARALLEL}
 
     def __init__(self, mesh: Mesh, cfg: Config | None = None):
         """cfg: the model's config, needed to run its MoE stack and to place the
@@ -80,7 +71,7 @@ class GlobalLayout:
 
     def stored(self, tree):
         """A model-order tree (params, buffers, a gradient of them) as this layout keeps
-        it: with pipeline stages, each MoE leaf [Lm, ...] as [V, S, per, ...]."""
+        it: with pipeline stages, each MoE leaf [Lm, ...] as [W, S, per, ...]."""
         return tree if self.stack is None else map_moe_stack(self.stack.stored, tree)
 
     def in_model_order(self, tree):
@@ -91,7 +82,7 @@ class GlobalLayout:
 
     def _specs(self, abs_tree: nnx.State) -> nnx.State:
         """The rules table's specs of a model-order tree, for its `stored` form: a MoE
-        leaf's (layers, ...) spec becomes (None, layers, None, ...) over [V, S, per]."""
+        leaf's (layers, ...) spec becomes (None, layers, None, ...) over [W, S, per]."""
         specs = sharding.state_specs(abs_tree, sharding.RULES[self.cfg.mesh.parallelism])
         if self.stack is None:
             return specs
@@ -130,22 +121,34 @@ class GlobalLayout:
     def constrain_batch(self, x: jax.Array) -> jax.Array:
         return sharding.constrain_batch(x, self.mesh)
 
-    def batch_total(self, x: jax.Array) -> jax.Array:
-        """A statistic summed over this program's tokens is already global."""
-        return x
-
-    def output_share(self, x: jax.Array) -> jax.Array:
-        """The part of a value of the model's output (the loss, a row's score) this
-        program contributes: all of it."""
-        return x
-
     def own_share(self, a_Lmx: jax.Array) -> jax.Array:
         """Per-MoE-layer values [Lm, ...] in model order (e.g. router bias updates) as
         this program holds the layers: all of them, stored as the stack is."""
         return a_Lmx if self.stack is None else self.stack.stored(a_Lmx)
 
-    def dispatch(self, x_TxD, routing, weights, cfg: MoEConfig) -> Dispatched:
-        return dispatch_on_mesh(x_TxD, routing, weights, cfg, self.mesh)
+    def dispatch(self, x_TxD, routing: Routing, weights, cfg: MoEConfig) -> Dispatched:
+        """The chosen per-device dispatcher in a `shard_map` over the batch (and, for an
+        expert-parallel one, the experts over `expert`); drops summed over the batch."""
+        dispatcher = self.dispatcher(cfg)
+        expert_parallel = cfg.dispatcher not in LOCAL
+        if expert_parallel:
+            check_expert_split(cfg.num_experts, self.mesh.shape["expert"])
+            ep_dispatch.prepare(cfg.dispatcher, self.kernels)
+        elif self.mesh.shape["data"] * self.mesh.shape["expert"] == 1:
+            # one batch shard: a shard_map would only wrap the expert weights and their
+            # gradients in copies at every layer
+            return dispatcher(x_TxD, routing, weights, cfg, self.kernels)
+
+        def local(x_TlxD, expert_TlxK, gate_TlxK, w):  # each device its own tokens
+            out = dispatcher(x_TlxD, Routing(expert_TlxK, gate_TlxK, None, None, None), w, cfg,
+                             self.kernels)
+            return out._replace(dropped=lax.psum(out.dropped, BATCH_AXES))
+
+        tokens = P(BATCH_AXES)
+        experts = jax.tree.map(lambda _: P("expert") if expert_parallel else P(), weights)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(tokens, tokens, tokens, experts),
+                             out_specs=Dispatched(tokens, P()))(
+            x_TxD, routing.expert_TxK, routing.gate_TxK, weights)
 
     _pipeline = staticmethod(pipeline)  # the schedule on global arrays
 
@@ -155,8 +158,7 @@ class GlobalLayout:
         if self.stack is not None:
             return self._pipeline(model.moe_layers, x_BxLxD, positions_BxL, self, key, remat,
                                   self.cfg.pipeline.stage_microbatches, self.cfg.num_moe_layers)
-        graphdef, state = model.moe_stack()
-        return scan_layers(graphdef, state, x_BxLxD, positions_BxL, self, key, remat)
+        return model.scan_moe_layers(x_BxLxD, positions_BxL, self, key, remat)
 
 
 class DeviceLayout(GlobalLayout):
@@ -166,8 +168,7 @@ class DeviceLayout(GlobalLayout):
         super().__init__(mesh, cfg)
         if cfg.num_moe_layers:
             ep_dispatch.prepare(cfg.moe.dispatcher, self.kernels)
-        if cfg.num_moe_layers and cfg.moe.dispatcher in LOCAL_DISPATCHERS \
-                and mesh.shape["expert"] > 1:
+        if cfg.num_moe_layers and cfg.moe.dispatcher in LOCAL and mesh.shape["expert"] > 1:
             raise ConfigError(f"moe.dispatcher: {cfg.moe.dispatcher!r} runs every expert on "
                               f"each device, but mesh.expert={mesh.shape['expert']} splits "
                               "them; use alltoall, allgather or ragged")
@@ -179,12 +180,9 @@ class DeviceLayout(GlobalLayout):
     def batch_total(self, x: jax.Array) -> jax.Array:
         return lax.psum(x, BATCH_AXES)
 
-    def dispatch(self, x_TxD, routing, weights, cfg: MoEConfig) -> Dispatched:
-        if cfg.dispatcher in LOCAL_DISPATCHERS:
-            return get_dispatcher(cfg.dispatcher)(x_TxD, routing, weights, cfg, self.kernels)
-        return ep_dispatch.PER_DEVICE[cfg.dispatcher](
-            x_TxD, routing.expert_TxK, routing.gate_TxK, weights, cfg, self.mesh.shape["expert"],
-            self.kernels)
+    def dispatch(self, x_TxD, routing: Routing, weights, cfg: MoEConfig) -> Dispatched:
+        """Already inside the step's `shard_map`: the per-device dispatcher itself."""
+        return self.dispatcher(cfg)(x_TxD, routing, weights, cfg, self.kernels)
 
     def output_share(self, x: jax.Array) -> jax.Array:
         """With pipeline stages only the last stage holds the model's output."""
@@ -193,7 +191,7 @@ class DeviceLayout(GlobalLayout):
 
     def own_share(self, a_Lmx: jax.Array) -> jax.Array:
         """This device's share of per-MoE-layer values [Lm, ...]: its stage's chunks,
-        [V, 1, per, ...] (zeros in padding slots)."""
+        [W, 1, per, ...] (zeros in padding slots)."""
         if self.stack is None:
             return a_Lmx
         return lax.dynamic_slice_in_dim(self.stack.stored(a_Lmx), lax.axis_index("stage"), 1,
@@ -202,6 +200,6 @@ class DeviceLayout(GlobalLayout):
     _pipeline = staticmethod(device_pipeline)  # one device's stage of the schedule
 
 
-def layout_for(cfg: Config, mesh: Mesh | None) -> GlobalLayout | None:
-    """The auto-sharded layout of `mesh` (None stays None: one device)."""
-    return None if mesh is None else GlobalLayout(mesh, cfg)
+def layout_for(cfg: Config | None, mesh: Mesh | None) -> LocalLayout:
+    """The auto-sharded layout of `mesh`; without one, one device's."""
+    return LOCAL_LAYOUT if mesh is None else GlobalLayout(mesh, cfg)

@@ -1,8 +1,8 @@
 """Pipeline parallelism over the mesh axis `stage`, written as one SPMD program.
 
-The Lm MoE layers are cut into S x V chunks of `per` = ceil(Lm / (S V)) layers;
-chunk c = v * S + s runs on stage s in round v (V virtual stages per device;
-V = 1 is GPipe). The stacked weights are kept as [V, S, per, ...] (`StageStack`):
+The Lm MoE layers are cut into S x W chunks of `per` = ceil(Lm / (S W)) layers;
+chunk c = v * S + s runs on stage s in round v (W virtual stages per device;
+W = 1 is GPipe). The stacked weights are kept as [W, S, per, ...] (`StageStack`):
 flattened, that is model order, then the padding that makes the chunks equal
 (pass-through slots at the end of the model, their compute wasted). The rules
 table splits the S dimension over `stage`, so each device holds exactly its own
@@ -11,8 +11,8 @@ chunks and nothing is reordered, ever.
 At iteration t, stage s runs copy k = t - s, i.e. micro-batch k mod M in round
 k // M, through its chunk of that round, and hands its output to stage s + 1.
 Stage 0 reads micro-batch t mod M from a circular store that the last stage
-writes back into, so M >= S micro-batches go round V times in V M + S - 1
-iterations: the bubble shrinks from (S - 1) / (M + S - 1) to (S - 1) / (V M + S - 1).
+writes back into, so M >= S micro-batches go round W times in W M + S - 1
+iterations: the bubble shrinks from (S - 1) / (M + S - 1) to (S - 1) / (W M + S - 1).
 Autodiff of the loop gives the backward pass. With remat on, each iteration keeps
 only its stages' layer inputs (not the weights it sliced for its round, nor the
 store, whose reads and writes are linear), and the backward pass recomputes each
@@ -56,10 +56,10 @@ def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> 
 
 
 class StageStack(NamedTuple):
-    """The MoE stack as stages hold it: [V, S, per, ...] (shape letters Vs, S, Lp),
+    """The MoE stack as stages hold it: [W, S, per, ...] (shape letters W, S, Lp),
     model order when flattened."""
 
-    virtual: int  # V: chunks per stage
+    virtual: int  # W: chunks per stage
     stages: int  # S
     per: int  # layers per chunk
 
@@ -72,7 +72,7 @@ class StageStack(NamedTuple):
         return self.virtual * self.stages * self.per
 
     def stored(self, a: jax.Array) -> jax.Array:
-        """[Lm, ...] in model order -> [V, S, per, ...], zero padding after the last layer
+        """[Lm, ...] in model order -> [W, S, per, ...], zero padding after the last layer
         (a numpy array stays one: host-side weights are laid out without compiling)."""
         xp = np if isinstance(a, np.ndarray) else jnp
         pad = self.slots - a.shape[0]
@@ -80,21 +80,28 @@ class StageStack(NamedTuple):
         return a.reshape(self.virtual, self.stages, self.per, *a.shape[1:])
 
     def model(self, a: jax.Array, num_layers: int) -> jax.Array:
-        """[V, S, per, ...] -> [Lm, ...] in model order, padding dropped."""
+        """[W, S, per, ...] -> [Lm, ...] in model order, padding dropped."""
         return a.reshape(self.slots, *a.shape[3:])[:num_layers]
 
+    def stage_major(self) -> np.ndarray:
+        """The stack's slots stage by stage ([S, W, per] flattened): slot (s, v, j) holds
+        model layer (v S + s) per + j, so each stage's chunks are contiguous."""
+        s, v, j = np.meshgrid(np.arange(self.stages), np.arange(self.virtual),
+                              np.arange(self.per), indexing="ij")
+        return ((v * self.stages + s) * self.per + j).reshape(-1)
+
     def real(self, num_layers: int) -> jax.Array:
-        """bool [Vs, S, Lp]: which slots hold a layer of the model (the rest pad)."""
+        """bool [W, S, Lp]: which slots hold a layer of the model (the rest pad)."""
         return jnp.arange(self.slots).reshape(self.virtual, self.stages, self.per) < num_layers
 
 
 def _stage_fn(graphdef, positions_bxL, layout, remat: str, padded: bool):
     """One stage's work for one iteration: its chunk of round `round_` over x."""
 
-    def stage_fn(chunks_Vs, real_VsxLp, round_, x_bxLxD, key):
+    def stage_fn(chunks_W, real_WxLp, round_, x_bxLxD, key):
         pick = lambda a: lax.dynamic_index_in_dim(a, round_, keepdims=False)  # noqa: E731
-        return scan_layers(graphdef, jax.tree.map(pick, chunks_Vs), x_bxLxD, positions_bxL,
-                           layout, key, remat, active_N=pick(real_VsxLp) if padded else None,
+        return scan_layers(graphdef, jax.tree.map(pick, chunks_W), x_bxLxD, positions_bxL,
+                           layout, key, remat, active_N=pick(real_WxLp) if padded else None,
                            unroll=True)
 
     # Only the stages' computation is checkpointed: checkpointing the whole iteration
@@ -108,10 +115,10 @@ def _stage_fn(graphdef, positions_bxL, layout, remat: str, padded: bool):
     return stage_fn
 
 
-def _copies(t, s, M: int, V: int):
+def _copies(t, s, M: int, W: int):
     """At iteration t, stage s runs copy t - s: (valid, its micro-batch, its round)."""
     copy = t - s
-    return (copy >= 0) & (copy < V * M), copy % M, jnp.clip(copy // M, 0, V - 1)
+    return (copy >= 0) & (copy < W * M), copy % M, jnp.clip(copy // M, 0, W - 1)
 
 
 def _per_layer(aux, round_, stage, stack: StageStack, num_layers: int, M: int):
@@ -138,9 +145,9 @@ def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatche
     the `stage` axis; `stack.stages` its stage count."""
     graphdef, state = nnx.split(stack)
     layers = layout.stack
-    S, M, V = layers.stages, microbatches, layers.virtual
-    stage_state = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), state)  # [S, V, per, ...]
-    real_SxVsxLp = jnp.swapaxes(layers.real(num_layers), 0, 1)
+    S, M, W = layers.stages, microbatches, layers.virtual
+    stage_state = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), state)  # [S, W, per, ...]
+    real_SxWxLp = jnp.swapaxes(layers.real(num_layers), 0, 1)
     B, L, D = x_BxLxD.shape
     # Strided split: every micro-batch keeps rows on each data/expert device.
     store_MxbxLxD = x_BxLxD.reshape(B // M, M, L, D).swapaxes(0, 1)
@@ -156,9 +163,9 @@ def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatche
         fresh = lax.dynamic_index_in_dim(store, t % M, keepdims=False)
         buffer_SxbxLxD = jax.lax.with_sharding_constraint(buffer_SxbxLxD.at[0].set(fresh),
                                                           buffer_spec)
-        valid_S, micro_S, round_S = _copies(t, stages_S, M, V)
+        valid_S, micro_S, round_S = _copies(t, stages_S, M, W)
         keys = None if key is None else jax.random.split(jax.random.fold_in(key, t), S)
-        out_SxbxLxD, aux = run_stages(stage_state, real_SxVsxLp, round_S, buffer_SxbxLxD, keys)
+        out_SxbxLxD, aux = run_stages(stage_state, real_SxWxLp, round_S, buffer_SxbxLxD, keys)
         aux = jax.tree.map(lambda a: jnp.where(
             valid_S.reshape((S,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a)), aux)
         store = jnp.where(valid_S[S - 1], lax.dynamic_update_index_in_dim(
@@ -167,8 +174,8 @@ def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatche
         return (jnp.roll(out_SxbxLxD, 1, axis=0), store), (aux, round_S)
 
     init = (jnp.zeros((S,) + store_MxbxLxD.shape[1:], x_BxLxD.dtype), store_MxbxLxD)
-    (_, store), (aux, round_TxS) = lax.scan(iteration, init, jnp.arange(V * M + S - 1))
-    y_BxLxD = store.swapaxes(0, 1).reshape(B, L, D)  # the store ends holding round V-1's outputs
+    (_, store), (aux, round_TxS) = lax.scan(iteration, init, jnp.arange(W * M + S - 1))
+    y_BxLxD = store.swapaxes(0, 1).reshape(B, L, D)  # the store ends holding round W-1's outputs
     stage_TxS = jnp.broadcast_to(stages_S, round_TxS.shape)
     return y_BxLxD, _per_layer(aux, round_TxS, stage_TxS, layers, num_layers, M)
 
@@ -178,14 +185,14 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
                     num_layers: int):
     """One device's share of `pipeline`, inside a `shard_map` over every mesh axis.
 
-    stack: this device's chunks, [V, 1, per, ...]. Returns (x, aux): x is the model's
+    stack: this device's chunks, [W, 1, per, ...]. Returns (x, aux): x is the model's
     output on the last stage (the only stage whose loss counts:
     `DeviceLayout.output_share`), and aux holds this stage's layers at their
     model-order positions and zeros elsewhere, so sums over `stage` give every layer
     once.
 
     Leaves that arrive as their ZeRO-1 shards (`ddp.Sharded`: the ddp step defers their
-    gather here) are gathered round by round: the iterations run as V scans, scan v
+    gather here) are gathered round by round: the iterations run as W scans, scan v
     (from iteration v M) the first to need round v's chunk and the last to need round
     v - 1's; round 0 is gathered before the first, and scan v gathers round v + 1 in
     M parts, one per iteration, beside its stages' compute. Autodiff turns each
@@ -194,9 +201,9 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
     """
     graphdef, state = nnx.split(stack)
     layers = layout.stack
-    S, M, V = layers.stages, microbatches, layers.virtual
+    S, M, W = layers.stages, microbatches, layers.virtual
     s = lax.axis_index("stage")
-    real_VsxLp = jnp.take(layers.real(num_layers), s, axis=1)
+    real_WxLp = jnp.take(layers.real(num_layers), s, axis=1)
     b, L, D = x_bxLxD.shape
     store_MxmxLxD = x_bxLxD.reshape(b // M, M, L, D).swapaxes(0, 1)  # the same strided split
     stage_fn = _stage_fn(graphdef, positions_bxL[: b // M], layout, remat,
@@ -213,10 +220,10 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
         store = lax.dynamic_update_index_in_dim(store, filed, arrived % M, 0)
         fresh = lax.dynamic_index_in_dim(store, t % M, keepdims=False)
         x_in = jnp.where(s == 0, fresh, inbox_mxLxD)
-        valid, micro, round_ = _copies(t, s, M, V)
+        valid, micro, round_ = _copies(t, s, M, W)
         k = None if key is None else jax.random.split(jax.random.fold_in(key, t), S)[s]
         held = jax.tree.leaves(chunks)[0].shape[0]
-        out_mxLxD, aux = stage_fn(chunks, real_VsxLp[first:first + held],
+        out_mxLxD, aux = stage_fn(chunks, real_WxLp[first:first + held],
                                   jnp.clip(round_ - first, 0, held - 1), x_in, k)
         aux = jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), aux)
         # The last stage keeps its outputs: after the final round, the model's output.
@@ -229,22 +236,22 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
     carry = (jnp.zeros_like(store_MxmxLxD[0]), store_MxmxLxD)
     sharded = lambda a: isinstance(a, Sharded)  # noqa: E731
     if not any(sharded(a) for a in jax.tree.leaves(state, is_leaf=sharded)):
-        chunks = jax.tree.map(lambda a: a[:, 0], state)  # [V, per, ...]
+        chunks = jax.tree.map(lambda a: a[:, 0], state)  # [W, per, ...]
         carry, (aux, round_T, _) = lax.scan(
             functools.partial(iteration, chunks, 0, lambda part: {}), carry,
-            jnp.arange(V * M + S - 1))
+            jnp.arange(W * M + S - 1))
     else:
         rounds = _rounds(state, layout, M)
         per_round = []
-        for v in range(V):  # scan v: iterations v M .. (v + 1) M - 1, the last to the end
+        for v in range(W):  # scan v: iterations v M .. (v + 1) M - 1, the last to the end
             first = max(v - 1, 0)
             chunks = jax.tree.map(lambda *r: jnp.stack(r), *rounds[first:v + 1])
-            gather = rounds[v + 1] if v + 1 < V else lambda part: {}
-            ts = jnp.arange(v * M, (v + 1) * M if v < V - 1 else V * M + S - 1)
+            gather = rounds[v + 1] if v + 1 < W else lambda part: {}
+            ts = jnp.arange(v * M, (v + 1) * M if v < W - 1 else W * M + S - 1)
             carry, (*ys, parts) = lax.scan(functools.partial(iteration, chunks, first, gather),
                                            carry, ts)
             per_round.append(ys)
-            if v + 1 < V:
+            if v + 1 < W:
                 rounds[v + 1] = rounds[v + 1].joined(parts)
         aux, round_T = jax.tree.map(lambda *a: jnp.concatenate(a), *per_round)
     store = carry[1]
@@ -280,11 +287,11 @@ def ready(round_state, layout):
 
 
 def _rounds(state, layout, parts: int) -> list:
-    """Round 0 ready (its `Sharded` leaves gathered now), and rounds 1 .. V - 1 as
+    """Round 0 ready (its `Sharded` leaves gathered now), and rounds 1 .. W - 1 as
     `_Gathering`s; every leaf without its stage axis: [per, ...]."""
-    V = layout.stack.virtual
+    W = layout.stack.virtual
     one = [jax.tree.map(lambda a: a.at(v).at(0) if isinstance(a, Sharded) else a[v, 0], state,
-                        is_leaf=lambda a: isinstance(a, Sharded)) for v in range(V)]
+                        is_leaf=lambda a: isinstance(a, Sharded)) for v in range(W)]
     whole = jax.tree.map(lambda a: a.gathered() if isinstance(a, Sharded) else a, one[0],
                          is_leaf=lambda a: isinstance(a, Sharded))
     return [ready(whole, layout)] + [_Gathering(r, layout, parts) for r in one[1:]]

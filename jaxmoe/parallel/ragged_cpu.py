@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmoe.config import ConfigError
-from jaxmoe.parallel.vma import vary, varying_axes
+from jaxmoe.ops.vma import vary, varying_axes
 
 _installed = False
 

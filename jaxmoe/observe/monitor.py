@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxmoe.load_metrics import (gerrymandering, recent_history, settle_step,
+from jaxmoe.observe.gerrymandering import (gerrymandering, recent_history, settle_step,
                                  steady_gerrymandering)
 
 
@@ -48,7 +48,7 @@ class Monitor:
         if active and start_step:
             superseded(run_dir / "metrics.jsonl", start_step)
         self.file = open(run_dir / "metrics.jsonl", "a") if active else None
-        self.sinks = list(sinks)  # see jaxmoe.sinks
+        self.sinks = list(sinks)  # see jaxmoe.observe.sinks
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not (progress and active),
                         dynamic_ncols=True, unit="step")
         self.balance_history: list[dict] = []  # the last logged records the checks read

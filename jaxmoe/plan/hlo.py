@@ -10,8 +10,8 @@ without one counts once and is listed in `loops_without_trip_count`), summed ove
 its call sites. Both branches of a conditional are counted, so figures taken from
 a program with conditionals are upper bounds.
 
-The readers of these programs: `jaxmoe.parallel.collectives` (bytes sent) and
-`jaxmoe.program_flops` (FLOPs per named scope and pass).
+The readers of these programs: `jaxmoe.plan.collectives` (bytes sent) and
+`jaxmoe.plan.program_flops` (FLOPs per named scope and pass).
 """
 
 from __future__ import annotations

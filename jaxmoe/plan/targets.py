@@ -27,7 +27,7 @@ EXTRA = 'pip install -e ".[gpu-compile]"'
 
 @dataclass(frozen=True)
 class Target:
-    """A GPU as the planner sees it; peak FLOP/s come from `jaxmoe.perf.PEAK_TFLOPS`."""
+    """A GPU as the planner sees it; peak FLOP/s come from `jaxmoe.observe.perf.PEAK_TFLOPS`."""
 
     name: str  # the spec's file name, and the planner's --target
     scale_up: float  # bytes/s per direction per GPU within a host (NVLink)
@@ -63,7 +63,7 @@ class Target:
         return f"{major}.{minor}"
 
     def peak(self, precision: str = "bf16") -> float:
-        from jaxmoe.perf import table_peak
+        from jaxmoe.observe.perf import table_peak
         return table_peak(self.device_kind, precision)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxmoe.hlo import Program, nbytes
+from jaxmoe.plan.hlo import Program, nbytes
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _OP_KIND = {"ragged-all-to-all": "all-to-all", **{k: k for k in KINDS}}

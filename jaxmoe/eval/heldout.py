@@ -21,10 +21,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxmoe.batches import heldout_batches
-from jaxmoe.data import Corpus
+from jaxmoe.data.batches import heldout_batches
+from jaxmoe.data.corpus import Corpus
 from jaxmoe.sharding import from_whole
-from jaxmoe.tokenizer import BYTE_VOCAB, Tokenizer
+from jaxmoe.data.tokenizer import BYTE_VOCAB, Tokenizer
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmoe.data import stdlib_files
+from jaxmoe.data.corpus import stdlib_files
 
 CONTEXT_BYTES = 56  # the lines before the place, whole, up to this many bytes
 LINE_BYTES = (8, 64)  # a line's length without its indentation (at least), and with it (at most)

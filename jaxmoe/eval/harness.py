@@ -18,11 +18,11 @@ model_args="checkpoint=RUN")`; lm-eval's own CLI knows only its built-in models)
 
 Text maps to ids with the run's tokenizer (RUN_DIR/tokenizer/). Tasks: lm-eval's
 built-in ones (their datasets come from the Hugging Face Hub), jaxmoe's own
-(`stdlib_word_order`, `stdlib_next_line`: jaxmoe/eval_tasks/), or YAMLs under
+(`stdlib_word_order`, `stdlib_next_line`: jaxmoe/eval/tasks/), or YAMLs under
 `--include-path`.
 `--output` gets lm-eval's results JSON (`--log-samples`: with every request and
 response). Training runs the same tasks on its live parameters (`train.evals`,
-`jaxmoe.downstream`).
+`jaxmoe.eval.downstream`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from jaxmoe import checkpoint
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config, ConfigError, override_config
 from jaxmoe.sharding import from_whole
-from jaxmoe.tokenizer import Tokenizer, TokenizerError
+from jaxmoe.data.tokenizer import Tokenizer, TokenizerError
 
 try:  # the class exists without lm-eval; using it then says what to install
     # lm-eval's own models first: its registry lists them only while it is empty
@@ -56,7 +56,7 @@ try:  # the class exists without lm-eval; using it then says what to install
 except ImportError:
     TemplateLM, register_model = object, lambda *names: (lambda cls: cls)
 
-TASKS_DIR = Path(__file__).parent / "eval_tasks"  # jaxmoe's own task definitions
+TASKS_DIR = Path(__file__).parent / "tasks"  # jaxmoe's own task definitions
 MIN_ROW = 16  # the shortest row length compiled
 GEN_TOKENS = 256  # new tokens when a task names no max_gen_toks (lm-eval's default)
 
@@ -182,25 +182,40 @@ def pack(rows, batch: int, L: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Scorer:
-    """A `Steps`' dropless `score_step` on the parameters and buffers given (a
-    checkpoint's, or the training state's as it is now), for `batch` rows (default:
+    """A `Steps`' dropless `score_step`, for `batch` rows (default:
     `steps.cfg.train.batch_size`; a whole number per row shard) x one of `lengths`
-    (default: `row_lengths` of the config's seq_len)."""
+    (default: `row_lengths` of the config's seq_len), on the weights of each call."""
 
-    def __init__(self, steps, params, buffers, lengths: list[int] | None = None,
-                 batch: int | None = None):
-        self.steps, self.params, self.buffers = steps, params, buffers
+    def __init__(self, steps, lengths: list[int] | None = None, batch: int | None = None):
+        self.steps = steps
         self.batch = batch or steps.cfg.train.batch_size
         self.lengths = lengths or row_lengths(steps.cfg.train.seq_len,
                                               steps.cfg.model.attention_block)
 
-    def __call__(self, tokens_BxL1: np.ndarray, mask_BxL: np.ndarray):
-        """(float64 logprob [B], bool greedy [B]): each row's summed log-probability of
-        its masked targets, and whether every one of them is the model's argmax."""
+    def __call__(self, weights: tuple, tokens_BxL1: np.ndarray, mask_BxL: np.ndarray):
+        """(float64 logprob [B], bool greedy [B]) under `weights`, (params, buffers) as
+        the steps place them (a checkpoint's, or the training state's as it is now):
+        each row's summed log-probability of its masked targets, and whether every one
+        of them is the model's argmax."""
         put = lambda a: from_whole(a, self.steps.batch_sharding)  # noqa: E731
-        out = jax.device_get(self.steps.score_step(self.params, self.buffers, put(tokens_BxL1),
-                                                   put(mask_BxL)))
+        out = jax.device_get(self.steps.score_step(*weights, put(tokens_BxL1), put(mask_BxL)))
         return np.asarray(out["logprob"], np.float64), np.asarray(out["greedy"]) > 0.5
+
+
+def encode_request(vocab: Tokenizer, prefix_id: int, context: str,
+                   continuation: str) -> tuple[list[int], list[int]]:
+    """A log-likelihood request's (context, continuation) ids, as lm-eval's causal
+    backends make them: the context's trailing whitespace moves to the continuation,
+    the whole text is encoded and split after the context's ids; an empty context is
+    the prefix token (or the continuation's first token, where that is it)."""
+    if not context:
+        ids = vocab.encode_plain(continuation)
+        return (ids[:1], ids[1:]) if ids and ids[0] == prefix_id else ([prefix_id], ids)
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    context_ids = vocab.encode(context)
+    return context_ids, vocab.encode(context + continuation)[len(context_ids):]
 
 
 # ---------------------------------------------------------------- the backend
@@ -208,13 +223,15 @@ class Scorer:
 
 @register_model("jaxmoe")
 class JaxmoeLM(TemplateLM):
-    """lm-eval's LM over a jaxmoe model: log-likelihoods from `scorer` (a `Scorer`);
-    text from `decode(prompts_BxP, first_B, new_tokens, temperature) -> ids [B, N]`,
-    or None where the model only scores (inside training)."""
+    """lm-eval's LM over a jaxmoe model: log-likelihoods from `scorer` (a `Scorer`) on
+    `weights`; text from `decode(prompts_BxP, first_B, new_tokens, temperature) -> ids
+    [B, N]`, or None where the model only scores (inside training)."""
 
-    def __init__(self, scorer: Scorer, tokenizer: Tokenizer, decode=None, progress: bool = True):
+    def __init__(self, scorer: Scorer, weights: tuple, tokenizer: Tokenizer, decode=None,
+                 progress: bool = True):
         super().__init__()
-        self.scorer, self.vocab, self.decode, self.progress = scorer, tokenizer, decode, progress
+        self.scorer, self.weights, self.vocab = scorer, weights, tokenizer
+        self.decode, self.progress = decode, progress
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
@@ -258,6 +275,12 @@ class JaxmoeLM(TemplateLM):
     def tok_decode(self, ids, **kwargs) -> str:
         return self.vocab.decode(ids)
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """(log-likelihood, greedy) of each (context, continuation) request."""
+        return self._loglikelihood_tokens(
+            [(req.args, *encode_request(self.vocab, self.prefix_token_id, *req.args))
+             for req in requests], disable_tqdm)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """(log-likelihood, greedy) of each ((context, continuation), ids, ids)."""
         # a context of only whitespace, which lm-eval moved into the continuation, is
@@ -278,8 +301,8 @@ class JaxmoeLM(TemplateLM):
             for start in range(0, len(order), B):
                 chunk = order[start:start + B]
                 L = next(n for n in self.scorer.lengths if n >= len(rows[chunk[0]][0]) - 1)
-                logprob_B, greedy_B = self.scorer(*pack([rows[i] for i in chunk], B, L,
-                                                        self.eot_token_id))
+                logprob_B, greedy_B = self.scorer(self.weights, *pack(
+                    [rows[i] for i in chunk], B, L, self.eot_token_id))
                 for r, i in enumerate(chunk):
                     out[i] = (float(logprob_B[r]), bool(greedy_B[r]))
                 bar.update(len(chunk))
@@ -381,7 +404,7 @@ def from_checkpoint(path: str, batch_size: int = 16, max_length: int | None = No
     from jaxmoe import api
     from jaxmoe.generate import generate
     from jaxmoe.step import build_steps, place_weights
-    from jaxmoe.tokenizer import check_vocab, load_tokenizer, run_tokenizer
+    from jaxmoe.data.tokenizer import check_vocab, load_tokenizer, run_tokenizer
 
     try:
         batch_size, seed = int(batch_size), int(seed)
@@ -413,7 +436,7 @@ def from_checkpoint(path: str, batch_size: int = 16, max_length: int | None = No
                         max_new_tokens=new, temperature=temperature, first_B=first_B,
                         eos_id=vocab.eos_id)
 
-    return JaxmoeLM(Scorer(steps, params, buffers), vocab, decode, progress)
+    return JaxmoeLM(Scorer(steps), (params, buffers), vocab, decode, progress)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""python -m jaxmoe.prepare INPUT... --tokenizer TOKENIZER --out DIR
+"""python -m jaxmoe.data.prepare INPUT... --tokenizer TOKENIZER --out DIR
 
 Tokenizes a corpus into flat token shards for `data.source: tokens`. Inputs are
 text files (one document each), directories of them (.txt, .md, .py, and .jsonl
@@ -46,10 +46,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxmoe.data import (BAD_TEXT, INDEX_FILE, INDEX_FORMAT, SCAN_SUFFIX, TEXT_SUFFIXES,
+from jaxmoe.data.corpus import (BAD_TEXT, INDEX_FILE, INDEX_FORMAT, SCAN_SUFFIX, TEXT_SUFFIXES,
                          DataError, bad_text_message, decode_text, describe_counts, text_problem,
                          walk_files)
-from jaxmoe.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from jaxmoe.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 PLAN_FILE = "prepare.json"
 PARTIAL = ".partial"
@@ -199,7 +199,7 @@ def plan_units(taken: list[tuple[str, str, int]], unit_bytes: int) -> list[Unit]
 def plan_changes(old: dict, new: dict) -> str:
     """What differs between an earlier plan and this one, in words."""
     if "files" not in old:
-        return "it was made by an earlier jaxmoe.prepare, which recorded no content hashes"
+        return "it was made by an earlier jaxmoe.data.prepare, which recorded no content hashes"
     before = {f["path"]: f["sha256"] for f in old["files"]}
     now = {f["path"]: f["sha256"] for f in new["files"]}
     said = []
@@ -433,7 +433,7 @@ def _make_ready(out: Path, plan: dict, mtimes: dict[str, int], earlier: dict,
     out.mkdir(parents=True, exist_ok=True)
     existing = [f for f in out.iterdir()]
     if existing and not (out / PLAN_FILE).is_file():
-        raise PrepareError(f"--out {out} is not empty and was not made by jaxmoe.prepare; "
+        raise PrepareError(f"--out {out} is not empty and was not made by jaxmoe.data.prepare; "
                            f"choose a new or empty directory")
     complete = _is_complete(out)
     if existing and earlier.get("plan") == plan:
@@ -558,7 +558,7 @@ def _recorded(out: Path, number: int, itemsize: int) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxmoe.prepare", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m jaxmoe.data.prepare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", help="text files, directories, JSON Lines files, "
                         "or saved datasets")

@@ -89,8 +89,8 @@ def scalars(record: dict) -> dict[str, float]:
 def histograms(record: dict) -> dict[str, np.ndarray]:
     if "expert_load" not in record:
         return {}
-    load_LxE = np.reshape(record["expert_load"], (len(record["load_max_over_mean"]), -1))
-    return {f"expert_load/layer{i}": load_E for i, load_E in enumerate(load_LxE)}
+    load_LmxE = np.reshape(record["expert_load"], (len(record["load_max_over_mean"]), -1))
+    return {f"expert_load/layer{i}": load_E for i, load_E in enumerate(load_LmxE)}
 
 
 class TensorBoardSink:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxmoe.data import DataError, Source
+from jaxmoe.data.corpus import DataError, Source
 
 MIX_PERIOD = 4096  # samples per mixing period; weights hold to 1/MIX_PERIOD
 _ROUNDS = 6  # Feistel rounds: enough for orders that look random to training

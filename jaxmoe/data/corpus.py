@@ -8,7 +8,7 @@ unless `bad_text` says to skip it or (not UTF-8 only) to decode its bad bytes as
 U+FFFD; empty files and, in a directory, files of other suffixes are skipped. One
 line on stderr counts what was read and skipped.
 
-`tokens` reads flat little-endian uint16/uint32 shards (`python -m jaxmoe.prepare`'s
+`tokens` reads flat little-endian uint16/uint32 shards (`python -m jaxmoe.data.prepare`'s
 output, OLMo/Dolma-style raw `.npy` shards, or any flat file), memory-mapped. Each
 entry of `data.path` is one source of a mixture: a prepared directory (its
 `index.json` says the shards' dtype, sizes, largest ids and SHA-256s, and which
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmoe.tokenizer import BYTE_EOS, BYTE_TOKENIZER, BYTE_VOCAB
+from jaxmoe.data.tokenizer import BYTE_EOS, BYTE_TOKENIZER, BYTE_VOCAB
 
 SOURCES = ("stdlib", "text", "tokens")
 BAD_TEXT = ("refuse", "replace", "skip")  # what to do with a file that is not UTF-8 text
@@ -366,7 +366,7 @@ def _token_source(entry: str, vocab_size: int, heldout_fraction: float, dtype: n
             return _Read((_raw_shard(train_path, dtype, vocab_size),),
                          (_raw_shard(val_path, dtype, vocab_size),), f"all of {val_path}")
         raise DataError(f"token directory {p} has no {INDEX_FILE}: make it with python -m "
-                        f"jaxmoe.prepare, or name its shard files (a glob such as {p}/*.npy)")
+                        f"jaxmoe.data.prepare, or name its shard files (a glob such as {p}/*.npy)")
     if glob.has_magic(entry):
         # a glob over a prepared directory must not read its index or unfinished files
         files = sorted(Path(f) for f in glob.glob(os.path.expanduser(entry))
@@ -404,7 +404,7 @@ def _indexed(directory: Path, vocab_size: int, heldout_fraction: float) -> _Read
                    s.get("sha256")) for s in index["shards"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{where} is not a readable token index ({type(e).__name__}: {e}); "
-                        f"re-run python -m jaxmoe.prepare") from None
+                        f"re-run python -m jaxmoe.data.prepare") from None
     train, heldout = [], []
     for f, split, tokens, max_id, digest in shards:
         if not f.is_file():
@@ -412,7 +412,7 @@ def _indexed(directory: Path, vocab_size: int, heldout_fraction: float) -> _Read
         if f.stat().st_size != tokens * dtype.itemsize:
             raise DataError(f"shard {f} has {f.stat().st_size} bytes, but {where} says {tokens} "
                             f"{dtype.name} tokens: it was changed or not fully written; re-run "
-                            f"python -m jaxmoe.prepare")
+                            f"python -m jaxmoe.data.prepare")
         if max_id >= vocab_size:
             raise DataError(f"shard {f} contains id {max_id} >= vocab_size {vocab_size} (per "
                             f"{where}); set model.vocab_size to the tokenizer's vocabulary")

@@ -12,7 +12,7 @@ datasheet's peaks and link bandwidths (`--reference-tflops` prints a measured
 figure beside it), printing its assumptions.
 
 --target h100|h200|b200|b300 compiles for that GPU with XLA:GPU's own compiler,
-which runs without a GPU (`jaxmoe.targets`; the `gpu-compile` extra): the program
+which runs without a GPU (`jaxmoe.plan.targets`; the `gpu-compile` extra): the program
 a GPU host would run, with nothing stood in. --target cpu (the default) compiles
 for fake CPU devices instead, with stand-ins for what XLA:CPU compiles far bigger
 than a GPU runs it (it says which), and judges the fit against --device.
@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 from jaxmoe.fake_devices import cpu_devices_env
-from jaxmoe.targets import EXTRA, TARGETS, gpu_compiler_available
+from jaxmoe.plan.targets import EXTRA, TARGETS, gpu_compiler_available
 
 # expert GEMM work relative to forward: the backward pass does two GEMMs per forward one
 _PASS_WEIGHT = {"forward": 1, "backward": 2, "recompute": 1}
@@ -96,7 +96,7 @@ def compile_train_step(cfg, target: str | None = None, hosts: int | None = None,
     from jaxmoe import checkpoint
     from jaxmoe.sharding import make_mesh
     from jaxmoe.step import build_steps
-    from jaxmoe.targets import compile_deviceless, virtual_devices
+    from jaxmoe.plan.targets import compile_deviceless, virtual_devices
 
     devices = None
     if target is not None:
@@ -189,11 +189,11 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     import jax
 
     from jaxmoe.config import flops_per_token, load_config, param_counts
-    from jaxmoe.hlo import Program
-    from jaxmoe.parallel.collectives import collectives, totals
+    from jaxmoe.plan.hlo import Program
+    from jaxmoe.plan.collectives import collectives, totals
     from jaxmoe.parallel.pipeline import bubble_fraction
-    from jaxmoe.program_flops import program_flops
-    from jaxmoe.roofline import Link, roofline, summary
+    from jaxmoe.plan.program_flops import program_flops
+    from jaxmoe.plan.roofline import Link, roofline, summary
     from jaxmoe.step import uses_per_device_step
 
     cfg = load_config(config_path, overrides)
@@ -380,7 +380,7 @@ def print_plan(p: dict) -> None:
 
 
 def print_roofline(r: dict, reference: str = "", top: int = 6) -> None:
-    """The roofline's prediction (`jaxmoe.roofline`), its parts, and where the time goes
+    """The roofline's prediction (`jaxmoe.plan.roofline`), its parts, and where the time goes
     beyond the matrix products."""
     print(f"  roofline of the compiled program (a prediction, not a measurement): step "
           f"{r['step_s']:.3f} s, {r['tokens_per_s_per_device']:,.0f} tokens/s per device, "

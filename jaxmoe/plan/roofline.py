@@ -40,9 +40,9 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from jaxmoe.hlo import Instruction, Program, arrays, nbytes
-from jaxmoe.parallel.collectives import KINDS, replica_groups, sent_bytes
-from jaxmoe.program_flops import pass_of, product_flops, scope_of
+from jaxmoe.plan.hlo import Instruction, Program, arrays, nbytes
+from jaxmoe.plan.collectives import KINDS, replica_groups, sent_bytes
+from jaxmoe.plan.program_flops import pass_of, product_flops, scope_of
 
 # ops that launch nothing: views, tuples, control (their callees are walked)
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
@@ -58,7 +58,7 @@ LATENCY_S = {"scale_up": 10e-6, "scale_out": 25e-6}
 
 @dataclass(frozen=True)
 class Link:
-    """What the roofline assumes of one device: `jaxmoe.targets.Target`'s figures."""
+    """What the roofline assumes of one device: `jaxmoe.plan.targets.Target`'s figures."""
 
     bf16_flops: float  # dense peak FLOP/s
     fp8_flops: float
@@ -386,7 +386,7 @@ def _copy(s: _Stream) -> _Stream:
 
 
 def summary(r: Roofline, model_flops: float, tokens_per_device: float, link: Link) -> dict:
-    """The figures `jaxmoe.plan` prints and writes."""
+    """The figures `jaxmoe.plan.planner` prints and writes."""
     step = r.step_s or math.inf
     return {"step_s": r.step_s,
             "tokens_per_s_per_device": tokens_per_device / step,

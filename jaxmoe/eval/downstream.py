@@ -17,9 +17,9 @@ acc_norm, ..., and their standard errors) in metrics.jsonl and the sinks.
 from __future__ import annotations
 
 from jaxmoe.config import Config, ConfigError
-from jaxmoe.eval import (EvalError, JaxmoeLM, Scorer, import_lm_eval, load_tasks, quiet,
-                         request_row, row_lengths, set_fewshot)
-from jaxmoe.tokenizer import Tokenizer
+from jaxmoe.eval.harness import (EvalError, JaxmoeLM, Scorer, encode_request, import_lm_eval,
+                                 load_tasks, quiet, request_row, row_lengths, set_fewshot)
+from jaxmoe.data.tokenizer import Tokenizer
 
 PREFIX = "downstream"
 STDERR_DRAWS = 100  # bootstrap draws for metrics with no closed-form standard error
@@ -47,13 +47,14 @@ class Downstream:
         self.num_fewshot, self.seed = evals.num_fewshot, cfg.train.seed
         self.every = evals.every or cfg.train.eval_every
         self.limit = evals.limit or None
-        self.lm = JaxmoeLM(None, tokenizer, progress=False)
+        self.tokenizer = tokenizer
+        self.prefix_id = tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id
         # one compiled shape for every task: the shortest row length that holds their
         # longest request, as many rows as keep the dropless buffers a training step's size
         longest, requests = self._rows(cfg.train.seq_len)
         L = next(n for n in row_lengths(cfg.train.seq_len, cfg.model.attention_block)
                  if n >= longest)
-        self.lm.scorer = Scorer(steps, None, None, [L], scoring_rows(cfg, steps.mesh, L, requests))
+        self.scorer = Scorer(steps, [L], scoring_rows(cfg, steps.mesh, L, requests))
 
     def _rows(self, seq_len: int) -> tuple[int, int]:
         """(positions the longest request's row takes, how many requests): a continuation
@@ -67,36 +68,29 @@ class Downstream:
             count += len(task.instances)
             if any(i.request_type == "loglikelihood_rolling" for i in task.instances):
                 longest = seq_len
-            pairs = [self._encoded(*i.args) for i in task.instances
-                     if i.request_type == "loglikelihood"]
+            pairs = [encode_request(self.tokenizer, self.prefix_id, *i.args)
+                     for i in task.instances if i.request_type == "loglikelihood"]
             lengths = [len(cont) for _, cont in pairs]
             if lengths and not 1 <= min(lengths) <= max(lengths) <= seq_len:
                 raise ConfigError(f"train.evals.tasks: {name} asks for continuations of "
                                   f"{min(lengths)} to {max(lengths)} tokens; a row of "
                                   f"train.seq_len={seq_len} holds 1 to {seq_len}")
             # a context of only whitespace gives no ids: the prefix token, as in JaxmoeLM
-            longest = max([longest] + [len(request_row(ctx or [self.lm.prefix_token_id], cont,
+            longest = max([longest] + [len(request_row(ctx or [self.prefix_id], cont,
                                                        seq_len)[0]) - 1 for ctx, cont in pairs])
         return longest, count
-
-    def _encoded(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """A request's (context, continuation) ids, as `JaxmoeLM.loglikelihood` makes them."""
-        if context:
-            return self.lm._encode_pair(context, continuation)
-        return [self.lm.prefix_token_id], self.lm.tok_encode(continuation,
-                                                             add_special_tokens=False)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
     def __call__(self, state) -> dict[str, float]:
         """lm-eval's metrics of every task on the state's parameters, flattened."""
-        self.lm.scorer.params, self.lm.scorer.buffers = state.params, state.buffers
+        lm = JaxmoeLM(self.scorer, (state.params, state.buffers), self.tokenizer, progress=False)
         # the same few-shot examples at every evaluation (the sampler draws as it goes)
         set_fewshot(self.tasks, self.num_fewshot, self.seed)
         with quiet():
             results = self.lm_eval.evaluator.evaluate(
-                self.lm, self.tasks, limit=self.limit, bootstrap_iters=STDERR_DRAWS,
+                lm, self.tasks, limit=self.limit, bootstrap_iters=STDERR_DRAWS,
                 log_samples=False)
         return flatten(results)
 

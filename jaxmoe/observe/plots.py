@@ -1,4 +1,4 @@
-"""Plots of a run's expert load: `python -m jaxmoe.plots RUN_DIR` writes PNGs there.
+"""Plots of a run's expert load: `python -m jaxmoe.observe.plots RUN_DIR` writes PNGs there.
 
 - load_heatmaps: per MoE layer, each expert's load (relative to the mean) over steps;
 - balance_vs_imbalance: the Switch balance loss against the true max/mean load,
@@ -78,6 +78,6 @@ def balance_vs_imbalance(run_dir: str | Path, out: str | Path | None = None) -> 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m jaxmoe.plots RUN_DIR")
+        sys.exit("usage: python -m jaxmoe.observe.plots RUN_DIR")
     for path in (load_heatmaps(sys.argv[1]), balance_vs_imbalance(sys.argv[1])):
         print(f"wrote {path}")

@@ -29,7 +29,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from jaxmoe.hlo import Instruction, Program, arrays
+from jaxmoe.plan.hlo import Instruction, Program, arrays
 
 # in priority order: a GEMM under dispatch/expert_gemms counts as expert_gemms
 SCOPES = ("expert_gemms", "router", "shared_expert", "dense_mlp", "attention", "lm_head",

@@ -1,4 +1,4 @@
-"""Micro-benchmarks: `python -m jaxmoe.bench <subcommand> [--json PATH] ...`.
+"""Micro-benchmarks: `python -m jaxmoe.plan.bench <subcommand> [--json PATH] ...`.
 
 Each subcommand is a function registered in `SUBCOMMANDS` with its own
 arguments; it returns a dict of numbers, which `--json` writes to a file.
@@ -232,7 +232,7 @@ def _train_step_case(config: str, overrides: list[str], num_devices: int = 8) ->
             "ddp+EP vs fsdp: train-step time, collective bytes sent per device and gradient "
             "reductions per step on 8 devices")
 def bench_parallel(a: argparse.Namespace) -> dict:
-    from jaxmoe.parallel.collectives import compiled_collectives, totals
+    from jaxmoe.plan.collectives import compiled_collectives, totals
 
     runs, traffic = {}, {}
     for name, overrides in PARALLEL_CASES.items():
@@ -264,7 +264,7 @@ def bench_parallel(a: argparse.Namespace) -> dict:
 
 
 PIPELINE_LAYOUTS = {"S=1": (1, 1), "S=2": (2, 1), "S=4": (4, 1), "S=2 V=2": (2, 2),
-                    "S=4 V=2": (4, 2)}  # name: (stages S, virtual stages V)
+                    "S=4 V=2": (4, 2)}  # name: (stages S, virtual stages W)
 
 
 def _pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -288,14 +288,14 @@ def bench_pipeline(a: argparse.Namespace) -> dict:
               "model.num_dense_layers=1"]
     cases = {name: common + a.set + [f"mesh.stage={S}", f"mesh.data={8 // S}",
                                      f"pipeline.stage_microbatches={M if S > 1 else 1}",
-                                     f"pipeline.virtual_stages={V}"]
-             for name, (S, V) in layout.items()}
+                                     f"pipeline.virtual_stages={W}"]
+             for name, (S, W) in layout.items()}
     runs = {name: _train_step_case(a.config, overrides).run for name, overrides in cases.items()}
     secs = time_round_robin(runs, a.repeats)
     result = {"config": a.config, "overrides": a.set, "stage_microbatches": M, "cases": {
         name: {"step_s": secs[name], "vs_S1": secs[name] / secs["S=1"],
-               "bubble_predicted": bubble_fraction(S, M if S > 1 else 1, V)}
-        for name, (S, V) in layout.items()}}
+               "bubble_predicted": bubble_fraction(S, M if S > 1 else 1, W)}
+        for name, (S, W) in layout.items()}}
     rows = [("stages", "step s", "/S=1", "bubble (S-1)/(VM+S-1)")]
     rows += [(n, f"{c['step_s']:.3f}", f"{c['vs_S1']:.2f}", f"{c['bubble_predicted']:.3f}")
              for n, c in result["cases"].items()]
@@ -440,7 +440,7 @@ def bench_experts(a: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m jaxmoe.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jaxmoe.plan.bench", description=__doc__.split("\n")[0])
     subs = parser.add_subparsers(dest="command", required=True)
     for name, sc in SUBCOMMANDS.items():
         p = subs.add_parser(name, help=sc.help)

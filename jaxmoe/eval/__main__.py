@@ -1,0 +1,5 @@
+import sys
+
+from jaxmoe.eval.harness import main
+
+sys.exit(main())

@@ -1,0 +1,2 @@
+"""The model, as pure nnx modules: router, dispatch, experts, attention, the scanned
+transformer. Nothing here knows the mesh: calls take a layout (`jaxmoe.parallel`)."""

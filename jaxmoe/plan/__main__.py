@@ -1,0 +1,5 @@
+import sys
+
+from jaxmoe.plan.planner import main
+
+sys.exit(main())
