@@ -78,6 +78,10 @@ class MoEConfig:
     # device's T tokens (grouped, alltoall) or its expert group's (ragged, allgather);
     # copies past it are dropped and counted. E / K never drops (room for every token)
     capacity_factor: float = 1.25
+    # a step whose copies overflow the buffers: drop them (counted in drop_fraction);
+    # rerun it, its update not applied, at doubled capacity up to E / K (jaxmoe.overflow);
+    # or raise, stopping with the demand seen
+    on_overflow: Literal["drop", "rerun", "raise"] = "drop"
     # expert GEMMs: in model.compute_dtype, or MXFP8 (e4m3 blocks of 32 with e8m0 scales)
     expert_precision: Literal["compute", "mxfp8"] = "compute"
     mxfp8_weight_grad: bool = False  # mxfp8: weight gradients in MXFP8 too (else bf16)

@@ -191,6 +191,14 @@ def step_metrics(cfg: Config, layout, loss, ce, aux, grad_norm, lr, finite, num_
     return metrics
 
 
+def overflowed_buffers(cfg: Config, aux) -> jax.Array:
+    """Whether a step dropped routed copies that `moe.on_overflow` will not lose (False
+    where it drops them, or without MoE layers)."""
+    if not cfg.num_moe_layers or cfg.moe.on_overflow == "drop":
+        return jnp.zeros((), bool)
+    return jnp.sum(aux["dropped"]) > 0
+
+
 def new_buffers(cfg: Config, layout, state: TrainState, aux, finite) -> nnx.State:
     """Router biases after the step (unchanged on a skipped one)."""
     buffers = state.buffers
@@ -348,16 +356,22 @@ def make_train_step(cfg: Config, program, loss_fn: Callable, tx, lr_at) -> Calla
         loss, ce, aux = program.totals(loss, ce, aux)
         grad_norm = program.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # a step to be run again at larger capacity (`jaxmoe.overflow`) changes nothing,
+        # its step count included, so the rerun draws the same keys
+        overflowed = overflowed_buffers(cfg, aux)
+        apply = finite & ~overflowed
         params, opt_state = _update(tx, program.own(state.params), state.opt_state, grads,
-                                    grad_norm, finite)
+                                    grad_norm, apply)
         # The rate this update used: the schedule runs on the optimizer's count,
         # which skipped steps do not advance.
         metrics = step_metrics(cfg, program.layout, loss, ce, aux, grad_norm,
                                lr_at(state.opt_state.count), finite, program.tokens(rows))
         bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
         metrics["bad_steps"] = bad_steps
-        return TrainState(state.step + 1, program.gathered(params),
-                          new_buffers(cfg, program.layout, state, aux, finite), opt_state,
+        metrics["overflowed"] = overflowed.astype(jnp.int32)
+        return TrainState(state.step + (~overflowed).astype(state.step.dtype),
+                          program.gathered(params),
+                          new_buffers(cfg, program.layout, state, aux, apply), opt_state,
                           state.key, bad_steps), metrics
 
     return train_step

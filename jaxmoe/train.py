@@ -18,19 +18,20 @@ import yaml
 from absl import logging as absl_logging
 
 from jaxmoe import checkpoint, distributed, hf
-from jaxmoe.eval import heldout
-from jaxmoe.observe import sinks
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config, ConfigError, flops_per_token, load_config
 from jaxmoe.data.batches import BatchIterator, Prefetcher
 from jaxmoe.data.corpus import Corpus, DataError, load_corpus
+from jaxmoe.data.tokenizer import RUN_SUBDIR, TokenizerError, check_vocab, load_tokenizer
 from jaxmoe.distributed import DistributedError
+from jaxmoe.eval import heldout
+from jaxmoe.observe import sinks
 from jaxmoe.observe.monitor import Monitor, to_python
-from jaxmoe.optim import learning_rate_schedule
 from jaxmoe.observe.perf import Peak, ProfileWindow, StepClock, memory, throughput
+from jaxmoe.optim import learning_rate_schedule
+from jaxmoe.overflow import Overflow, OverflowSteps
 from jaxmoe.sharding import make_mesh, process_rows
 from jaxmoe.step import build_steps, with_weights
-from jaxmoe.data.tokenizer import RUN_SUBDIR, TokenizerError, check_vocab, load_tokenizer
 
 
 class TooManyBadSteps(RuntimeError):
@@ -192,6 +193,7 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     if profile.span and start >= profile.span[1]:
         monitor.write(f"logging.profile_steps {list(profile.span)}: this run resumes after "
                       "the window; no trace")
+    train_step = OverflowSteps(steps)  # moe.on_overflow
     clock, last_step, record, stop = StepClock(), start, {}, None
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     if cfg.data.prefetch:  # started last: nothing that could fail comes between it and its end
@@ -204,7 +206,12 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                 jax.block_until_ready(state)
                 profile.start()
             with profile.annotate(step):
-                state, metrics = steps.train_step(state, batch)
+                try:
+                    state, metrics = train_step(state, batch)
+                except Overflow:  # moe.on_overflow: raise; the last checkpoint stays
+                    monitor.close()
+                    saver.finish()
+                    raise
             saver.check()  # a failed save in the background ends the run here
             if profile.ends_at(step):
                 jax.block_until_ready(state)
@@ -318,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(cfg, corpus, stop_after=args.stop_after, init_weights=weights,
                         accept_new_data=args.accept_new_data)
     except (DistributedError, ConfigError, DataError, TokenizerError, CheckpointError,
-            TooManyBadSteps, hf.HFError) as e:
+            TooManyBadSteps, Overflow, hf.HFError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # stopped by a signal (here or on another process): 128 + its number, as a shell
