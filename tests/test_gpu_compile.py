@@ -425,8 +425,8 @@ def test_no_parameter_size_zero_buffer_lives_across_the_step(monkeypatch):
 def test_expert_exchanges_run_beside_compute(monkeypatch):
     """With XLA:GPU's latency-hiding scheduler (`Kernels.compiler_options`), every
     exchange of token rows of a small config with a shared expert is asynchronous,
-    with kernels in its window, for `ragged` (the shipped GPU dispatcher) and
-    `alltoall`; with XLA's default scheduling some of `ragged`'s run synchronously.
+    with kernels in its window, for `alltoall` (the shipped GPU dispatcher) and
+    `ragged`; with XLA's default scheduling some of `ragged`'s run synchronously.
     (Which kernels land in a window is the scheduler's choice: benchmarks/RESULTS.md
     counts the windows that hold a GEMM.)"""
     from jaxmoe.kernels import Kernels

@@ -40,9 +40,9 @@ def b300(tmp_path_factory):
 def test_47b_fits_a_b300_with_the_shipped_dispatcher(b300):
     plan, stdout = b300
     assert plan["target"] == "b300" and plan["device"] == "b300" and plan["devices"] == 8
-    assert plan["dispatcher"] == "ragged" and plan["step_program"] == "per-device"
+    assert plan["dispatcher"] == "alltoall" and plan["step_program"] == "per-device"
     assert plan["kernels"] == {"device_kind": "NVIDIA B300", "attention": "cudnn",
-                               "native_mxfp8": False, "ragged_exchange": "native"}
+                               "native_mxfp8": False, "ragged_exchange": "-"}  # alltoall
     assert plan["params_total"] == pytest.approx(47e9, rel=0.02)
     mem = plan["bytes_per_device"]
     assert 20e9 < mem["parameters"] < 30e9  # experts resident, 16 of 128 per device
@@ -89,7 +89,8 @@ def test_ratio_is_the_program_over_the_routed_rows():
 
 @pytest.mark.slow
 def test_cpu_target_plans_with_stand_ins(tmp_path, b300):
-    plan, stdout = _plan(tmp_path, "--target", "cpu", "--device", "b300")
+    plan, stdout = _plan(tmp_path, "--target", "cpu", "--device", "b300",
+                         "--set", "moe.dispatcher=ragged")
     assert plan["target"] == "cpu" and plan["kernels"]["attention"] == "blockwise"
     assert "compiling the train step for 8 fake CPU devices ...\n" in stdout
     assert plan["dispatcher"] == "alltoall"  # what ragged compiles as on CPU, and says so

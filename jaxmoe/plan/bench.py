@@ -180,6 +180,9 @@ def bench_moe(a: argparse.Namespace) -> dict:
 PARALLEL_CASES = {  # (name, overrides): the mission's design against the FSDP it replaces
     "ddp+alltoall 2x4": ["mesh.data=2", "mesh.expert=4", "mesh.parallelism=ddp",
                          "moe.dispatcher=alltoall"],
+    # the other GPU transport: only the routed rows travel, by ragged_all_to_all
+    "ddp+ragged 2x4": ["mesh.data=2", "mesh.expert=4", "mesh.parallelism=ddp",
+                       "moe.dispatcher=ragged"],
     "fsdp+alltoall 2x4": ["mesh.data=2", "mesh.expert=4", "mesh.parallelism=fsdp",
                           "moe.dispatcher=alltoall"],
     "fsdp 8x1": ["mesh.data=8", "mesh.expert=1", "mesh.parallelism=fsdp",
