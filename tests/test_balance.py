@@ -403,3 +403,12 @@ def test_gerrymander_config_flags_the_steady_state(tmp_path):
         assert r["balance_loss_layer"][0] <= 1.0 + lm.LOSS_BAND
         assert (r["load_max_over_mean"][0] >= lm.MAX_OVER_MEAN or r["dead_experts"][0] >= 4
                 or r["entropy_deficit"][0] >= lm.ENTROPY_DEFICIT)
+
+
+def test_plots_cli_names_a_missing_run(tmp_path):
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "jaxmoe.observe.plots", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert f"{tmp_path / 'metrics.jsonl'} does not exist" in result.stderr

@@ -77,7 +77,13 @@ def balance_vs_imbalance(run_dir: str | Path, out: str | Path | None = None) -> 
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m jaxmoe.observe.plots RUN_DIR")
+    usage = "usage: python -m jaxmoe.observe.plots RUN_DIR (a run directory with metrics.jsonl)"
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        print(usage, file=sys.stderr)
+        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
+    if not (Path(sys.argv[1]) / "metrics.jsonl").is_file():
+        print(f"error: {Path(sys.argv[1]) / 'metrics.jsonl'} does not exist; {usage}",
+              file=sys.stderr)
+        sys.exit(2)
     for path in (load_heatmaps(sys.argv[1]), balance_vs_imbalance(sys.argv[1])):
         print(f"wrote {path}")
