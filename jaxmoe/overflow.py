@@ -45,7 +45,7 @@ class OverflowSteps:
 
     def __init__(self, steps: Steps):
         self.base, self.mode = steps, steps.cfg.moe.on_overflow
-        self.factors = ladder(steps.cfg) if steps.cfg.num_moe_layers else [None]
+        self.factors = ladder(steps.cfg)
         self.by_factor = {self.factors[0]: steps}
         self.rung = 0  # where the next step starts on the ladder
         self.clean = 0  # steps in a row since the last overflow
@@ -64,7 +64,7 @@ class OverflowSteps:
         metrics are those of the run that held every copy, plus `capacity_factor` (that
         run's) and the run's counts so far: `overflowed_steps` (steps whose first run
         overflowed) and `reruns`."""
-        if self.mode == "drop" or self.factors[0] is None:
+        if self.mode == "drop" or not self.base.cfg.num_moe_layers:
             return self.base.train_step(state, batch)
         state, metrics = self._steps(self.factors[self.rung]).train_step(state, batch)
         if int(metrics["overflowed"]):
