@@ -109,7 +109,7 @@ class Saver:
             return True
         if self.error is None:
             reason = str(record.exc_info[1]) if record.exc_info else record.getMessage()
-            self.error = reason.strip().splitlines()[0] if reason.strip() else "unknown error"
+            self.error = reason.strip() or "unknown error"  # _reason picks the line to show
         return False
 
     def save(self, state: TrainState, data_state: dict, steps: Steps) -> None:
@@ -163,11 +163,15 @@ class Saver:
 
 
 def _reason(error: str) -> str:
-    """The operating system's words where an error ends with them (a write that found
-    no space: orbax's message ends "... : No space left on device [os_error_code='28']")."""
+    """The operating system's words where an error holds them (a write that found no
+    space: TensorStore's message has "...: No space left on device [os_error_code='28']",
+    sometimes followed by source locations), else the error's first line."""
     import re
-    m = re.search(r": ([^:]*?) \[os_error_code='(\d+)'\]\s*$", error)
-    return f"{m.group(1)} (errno {m.group(2)})" if m else error[:300]
+    found = re.findall(r": ([^:\[\]\n]*?) \[os_error_code='(\d+)'\]", error)
+    if found:
+        words, code = found[-1]
+        return f"{words} (errno {code})"
+    return error.strip().splitlines()[0][:300] if error.strip() else "unknown error"
 
 
 # ---------------------------------------------------------------- the saved MoE stack

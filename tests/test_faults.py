@@ -102,6 +102,16 @@ def test_a_failed_save_stops_the_run_and_keeps_the_last_checkpoint(trained, tmp_
     assert checkpoint.complete_steps(ckpts)[-1] == steps
 
 
+@pytest.mark.parametrize("tail", ["", " [source locations='file_util_posix.cc:370\\nfile.cc:1']"])
+def test_a_failed_write_is_named_in_the_operating_system_s_words(tail):
+    error = ('OUT_OF_RANGE: Error opening "zarr" driver: Error writing "a/.zarray" in OCDBT '
+             'database at local file "/r/": Failed to write: "/r/d/0": File too large '
+             f"[os_error_code='27']{tail}")
+    assert checkpoint._reason(error) == "File too large (errno 27)"
+    # companion: an error without the system's words shows its own first line
+    assert checkpoint._reason("INTERNAL: lost\nmore") == "INTERNAL: lost"
+
+
 # ---------------------------------------------------------------- damaged checkpoints
 
 DAMAGE = {
