@@ -99,7 +99,8 @@ class Saver:
         self.manager = checkpoint_manager(run_dir, cfg)
         self.directory = checkpoint_dir(run_dir)
         self.pending: int | None = None  # the step of the save in flight
-        self.error: str | None = None
+        self.error: str | None = None  # the save's failure, once one is seen
+        self.errors: list[str] = []  # every error its writers reported, in order
         logging.getLogger("absl").addFilter(self._capture)
         _quiet_failed_io()
 
@@ -107,9 +108,8 @@ class Saver:
         """Keeps orbax's first error (from any thread) and drops its log records."""
         if record.levelno < logging.ERROR or "orbax" not in record.pathname:
             return True
-        if self.error is None:
-            reason = str(record.exc_info[1]) if record.exc_info else record.getMessage()
-            self.error = reason.strip() or "unknown error"  # _reason picks the line to show
+        reason = str(record.exc_info[1]) if record.exc_info else record.getMessage()
+        self._failed(reason.strip() or "unknown error")
         return False
 
     def save(self, state: TrainState, data_state: dict, steps: Steps) -> None:
@@ -117,9 +117,14 @@ class Saver:
         try:
             save(self.manager, state, data_state, steps)
         except Exception as e:  # noqa: BLE001: a synchronous failure of the same save
-            self.error = self.error or f"{type(e).__name__}: {e}"
+            self._failed(f"{type(e).__name__}: {e}")
         self.pending = int(state.step)
         self.check()
+
+    def _failed(self, error: str) -> None:
+        if len(self.errors) < 64:  # the failed save's writers may each report
+            self.errors.append(error)
+        self.error = self.error or error
 
     def check(self) -> None:
         """Raises if a save has failed; a finished save whose step is missing failed."""
@@ -137,7 +142,7 @@ class Saver:
         try:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001: orbax re-raises its background failure
-            self.error = self.error or f"{type(e).__name__}: {e}"
+            self._failed(f"{type(e).__name__}: {e}")
         self.check()
 
     def all_steps(self) -> list[int]:
@@ -151,27 +156,35 @@ class Saver:
         # the filter stays: the run ends with this error
         try:
             self.manager.wait_until_finished()
-        except Exception:  # noqa: BLE001: the same failure, raised again
-            pass
+        except Exception as e:  # noqa: BLE001: the same failure, raised again
+            self._failed(f"{type(e).__name__}: {e}")
         for partial in self.directory.glob("*.orbax-checkpoint-tmp*"):
             shutil.rmtree(partial, ignore_errors=True)
         kept = [s for s in complete_steps(self.directory) if s != self.pending]
         raise CheckpointError(
-            f"saving checkpoint {self.pending} in {self.directory} failed: {_reason(self.error)}; "
+            f"saving checkpoint {self.pending} in {self.directory} failed: {_reason(self.errors or [self.error])}; "
             + (f"the last complete one, step {kept[-1]}, is kept" if kept else
                "there is no complete checkpoint"))
 
 
-def _reason(error: str) -> str:
-    """The operating system's words where an error holds them (a write that found no
-    space: TensorStore's message has "...: No space left on device [os_error_code='28']",
-    sometimes followed by source locations), else the error's first line."""
+def _reason(errors: list[str]) -> str:
+    """The operating system's words where one of a failed save's errors holds them (a
+    write that found no space: TensorStore's message has "...: No space left on device
+    [os_error_code='28']", sometimes followed by more), else the first error's first
+    line. Its writers fail in any order, and not every message names the cause."""
+    import os
     import re
-    found = re.findall(r": ([^:\[\]\n]*?) \[os_error_code='(\d+)'\]", error)
-    if found:
-        words, code = found[-1]
-        return f"{words} (errno {code})"
-    return error.strip().splitlines()[0][:300] if error.strip() else "unknown error"
+    for error in errors:
+        found = re.findall(r": ([^:\[\]\n]*?) \[os_error_code='(\d+)'\]", error)
+        if found:
+            words, code = found[-1]
+            return f"{words} (errno {code})"
+    for error in errors:  # the system's words without the code
+        for code in range(1, 134):
+            if f": {os.strerror(code)}" in error:
+                return f"{os.strerror(code)} (errno {code})"
+    first = next((e.strip() for e in errors if e and e.strip()), "")
+    return first.splitlines()[0][:300] if first else "unknown error"
 
 
 # ---------------------------------------------------------------- the saved MoE stack

@@ -107,9 +107,14 @@ def test_a_failed_write_is_named_in_the_operating_system_s_words(tail):
     error = ('OUT_OF_RANGE: Error opening "zarr" driver: Error writing "a/.zarray" in OCDBT '
              'database at local file "/r/": Failed to write: "/r/d/0": File too large '
              f"[os_error_code='27']{tail}")
-    assert checkpoint._reason(error) == "File too large (errno 27)"
-    # companion: an error without the system's words shows its own first line
-    assert checkpoint._reason("INTERNAL: lost\nmore") == "INTERNAL: lost"
+    assert checkpoint._reason([error]) == "File too large (errno 27)"
+    # the save's writers fail in any order: the words are found in whichever error has
+    # them, with the code or without
+    assert checkpoint._reason(["ABORTED: cancelled", error]) == "File too large (errno 27)"
+    assert checkpoint._reason(["ABORTED: cancelled", 'Failed writing: "/r/d/0": File too '
+                               "large"]) == "File too large (errno 27)"
+    # companion: errors without the system's words show the first one's first line
+    assert checkpoint._reason(["INTERNAL: lost\nmore", "ABORTED: x"]) == "INTERNAL: lost"
 
 
 # ---------------------------------------------------------------- damaged checkpoints
