@@ -12,10 +12,10 @@ that JAX itself checks on the tracing host (`cudnn_head_max`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from jaxmoe.config import ModelConfig
+from jaxmoe.config import ModelConfig, MoEConfig
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,12 @@ class Kernels:
     platform: str  # "cpu", "gpu" or "tpu", as `jax.Device.platform`
     device_kind: str
     compute_capability: tuple[int, int] | None = None  # NVIDIA GPUs only
+    # one of the devices: what a kernel library that reads JAX's default device to pick
+    # its tiles is traced with (`ops.grouped_gemm`), a virtual one for a deviceless compile
+    device: object = field(default=None, compare=False)
+    # the grouped expert GEMM's implementation where it is not the devices' choice: "xla"
+    # runs the packed row layouts on CPU, for tests (`grouped_gemm`)
+    expert_gemm: str | None = None
 
     @classmethod
     def of(cls, devices) -> Kernels:
@@ -35,7 +41,7 @@ class Kernels:
         d = devices[0]
         cc = getattr(d, "compute_capability", None)
         return cls(d.platform, d.device_kind,
-                   tuple(int(v) for v in str(cc).split(".")[:2]) if cc else None)
+                   tuple(int(v) for v in str(cc).split(".")[:2]) if cc else None, d)
 
     @classmethod
     def of_mesh(cls, mesh) -> Kernels:
@@ -56,6 +62,21 @@ class Kernels:
         """A block-scaled MXFP8 GEMM in hardware (cuDNN's, on Blackwell: compute
         capability 10+); elsewhere `jaxmoe.ops.mx` emulates it exactly."""
         return self.cuda and self.compute_capability >= (10, 0)
+
+    def grouped_gemm(self, cfg: MoEConfig) -> str | None:
+        """The grouped GEMM (`jaxmoe.ops.grouped_gemm`) the experts run on exactly their
+        routed rows, packed expert after expert: tokamax's Triton kernel on NVIDIA GPUs.
+        None: fixed per-expert buffers and a batched GEMM over all their rows, on CPU
+        (where it is the fast path: a batched einsum) and for MXFP8 experts (cuDNN's
+        block-scaled GEMM takes buffers)."""
+        if self.expert_gemm is not None:
+            return self.expert_gemm
+        if not self.cuda or cfg.expert_precision == "mxfp8":
+            return None
+        return "triton"
+
+    def with_expert_gemm(self, implementation: str | None) -> Kernels:
+        return replace(self, expert_gemm=implementation)
 
     @property
     def compiler_options(self) -> dict[str, bool | int]:

@@ -11,13 +11,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.config import ConfigError, MeshConfig, MoEConfig, config_from_dict
-from jaxmoe.model.dispatch import capacity, dense_dispatch
+from jaxmoe.kernels import Kernels
+from jaxmoe.model.dispatch import buffer_slots, capacity, dense_dispatch, packed_slots
 from jaxmoe.model.experts import ExpertWeights, expert_ffn
 from jaxmoe.model.moe import MoE
 from jaxmoe.model.router import Routing, route
 from jaxmoe.parallel import ragged_cpu
 from jaxmoe.parallel.ep_dispatch import ragged_plan
-from jaxmoe.parallel.layout import dispatch_on_mesh, layout_for
+from jaxmoe.model.layout import LocalLayout
+from jaxmoe.parallel.layout import GlobalLayout, dispatch_on_mesh, layout_for
 from jaxmoe.sharding import BATCH_AXES, make_mesh, per_device_shapes
 from jaxmoe.step import build_steps
 
@@ -51,15 +53,21 @@ def _with_gates(routing: Routing, gate_TxK) -> Routing:
     return routing._replace(gate_TxK=gate_TxK)
 
 
-def _dispatch_vjp(name, cfg, mesh, batched=False):
+def _dispatch_vjp(name, cfg, mesh, batched=False, expert_gemm=None):
     """One compiled program: y, dropped and the grads of sum(y * ct) w.r.t. x, gates, weights.
 
-    batched: vmapped over a leading axis of every argument.
+    batched: vmapped over a leading axis of every argument. expert_gemm: the grouped
+    GEMM's implementation to run on the packed rows (None: the devices' choice).
     """
+    layout = layout_for(None, mesh)
+    if expert_gemm is not None:
+        layout = GlobalLayout(mesh) if mesh is not None else LocalLayout()
+        layout.kernels = layout.kernels.with_expert_gemm(expert_gemm)
+
     def run(x_TxD, expert_TxK, gate_TxK, w, ct_TxD):
         def f(x, g, w):
             r = Routing(expert_TxK, g, None, None, None)
-            out = dispatch_on_mesh(x, r, w, dataclasses.replace(cfg, dispatcher=name), mesh)
+            out = layout.dispatch(x, r, w, dataclasses.replace(cfg, dispatcher=name))
             return out.y_TxD, out.dropped
         (y, dropped), vjp = jax.vjp(f, x_TxD, gate_TxK, w)
         grads = vjp((ct_TxD, np.zeros((), jax.dtypes.float0)))
@@ -252,6 +260,38 @@ def test_pooled_drops_match_numpy_keep_mask_with_gradients(problem, tight_pooled
                       full)
     _, _, alltoall = tight_alltoall
     assert int(alltoall(*_place(mesh, x, routing, w, ct))[1]) > (~kept).sum()
+
+
+@pytest.mark.parametrize("factor", [E / K, 1.0], ids=["roomy", "tight"])
+@pytest.mark.parametrize("name", ["grouped", "alltoall", "allgather", "ragged"])
+def test_packed_rows_for_the_grouped_gemm_change_nothing(problem, name, factor):
+    """The packed layouts a grouped GEMM runs on (GPU) against the per-expert buffers
+    (CPU's fast path), with tokamax's reference implementation as the GEMM: the same
+    outputs, drops and gradients, with and without drops, on data 2 x expert 4."""
+    x, routing, w, ct, _, (y_bad, _, g_bad) = problem
+    mesh = None if name == "grouped" else _mesh(2, 4)
+    cfg = _cfg(name, factor)
+    args = (x, routing.expert_TxK, routing.gate_TxK, w, ct) if mesh is None else \
+        _place(mesh, x, routing, w, ct)
+    y, dropped, grads = _dispatch_vjp(name, cfg, mesh)(*args)
+    y_p, dropped_p, grads_p = _dispatch_vjp(name, cfg, mesh, expert_gemm="xla")(*args)
+    assert int(dropped_p) == int(dropped) and (int(dropped) > 0) == (factor == 1.0)
+    assert _close(y_p, y)
+    for got, want in zip(jax.tree.leaves(grads_p), jax.tree.leaves(grads)):  # x, gates, w
+        assert _close(got, want)
+    assert not _close(y_p, y_bad, atol=1e-3) and not _close(grads_p[0], g_bad[0], atol=1e-3)
+
+
+def test_packed_slots_pack_what_the_buffers_spread():
+    """Companion: the packed rows are a different placement of the same kept copies;
+    expert e's rows follow the kept rows of the experts before it."""
+    expert_N = jnp.asarray([2, 0, 2, 2, 0, 3, 2])
+    slot_N, kept_N = buffer_slots(expert_N, 4, 2)
+    packed_N, kept_p_N, rows_E = packed_slots(expert_N, 4, 2)
+    np.testing.assert_array_equal(kept_p_N, kept_N)
+    np.testing.assert_array_equal(rows_E, [2, 0, 2, 1])
+    np.testing.assert_array_equal(slot_N, [4, 0, 5, 8, 1, 6, 8])
+    np.testing.assert_array_equal(packed_N, [2, 0, 3, 8, 1, 4, 8])
 
 
 @pytest.mark.parametrize("name", ["alltoall", "allgather", "ragged"])
@@ -550,3 +590,20 @@ def test_ragged_train_step_equals_alltoall_without_drops():
     *_, other_mu = alltoall(other)
     experts = lambda m: m["moe_layers"]["moe"]["experts"]  # noqa: E731
     assert not any(jax.tree.leaves(jax.tree.map(close, experts(other_mu), experts(ref_mu))))
+
+
+def test_train_step_on_packed_rows_equals_the_buffers(monkeypatch):
+    """The ddp step (its weights typed per device inside the step's shard_map) with the
+    experts on packed rows through a grouped GEMM, as on GPU, against the buffers, at a
+    capacity that drops: the same loss, drops and gradients."""
+    buffers, init = _train_step("alltoall", 1.0)
+    ref_loss, ref_norm, ref_drops, ref_mu = buffers(TOKENS)
+    asked = []
+    monkeypatch.setattr(Kernels, "grouped_gemm", lambda self, cfg: asked.append(cfg) or "xla")
+    packed, _ = _train_step("alltoall", 1.0, init)
+    loss, norm, drops, mu = packed(TOKENS)
+    assert asked  # the step took the packed path
+    assert drops == ref_drops > 0
+    assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
+    close = lambda a, b: _close(a, b, atol=1e-5 * float(np.abs(b).max()))  # noqa: E731
+    assert all(jax.tree.leaves(jax.tree.map(close, mu, ref_mu)))

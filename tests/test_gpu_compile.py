@@ -16,7 +16,8 @@ from jaxmoe.plan.hlo import Program, arrays
 from jaxmoe.model.dispatch import capacity
 from jaxmoe.model.experts import ExpertWeights, expert_ffn
 from jaxmoe.plan.collectives import collectives
-from jaxmoe.plan.planner import compile_train_step, expert_gemm_ratios, routed_expert_flops
+from jaxmoe.plan.planner import (compile_train_step, expert_gemm_ratios, routed_expert_flops,
+                                 routed_share)
 from jaxmoe.plan.program_flops import program_flops
 from jaxmoe.plan.roofline import quantisations
 from jaxmoe.plan.targets import EXTRA, compile_deviceless, gpu_compiler_available, virtual_devices
@@ -59,6 +60,7 @@ def _compile(target: str, hosts: int | None, cfg) -> Program:
     compiled, steps, _ = compile_train_step(cfg, target, hosts)
     program = Program(compiled.as_text())
     program.mesh = steps.mesh
+    program.routed_share = routed_share(cfg)  # as the planner counts grouped GEMMs
     return program
 
 
@@ -84,27 +86,51 @@ def _buffer_rows(dispatcher: str, factor: float) -> int:
     return El * capacity(R * Tl, K, E, factor)
 
 
-def _rows_x_experts_x_D_buffers(program: Program) -> list[str]:
+def _rows_x_experts_x_D_buffers(program: Program, n: int = N) -> list[str]:
     """Arrays of at least (ranks x rows) x local experts x D elements: what a GEMM that
-    runs every received row of the group through every local expert holds."""
+    runs every received row of the group through every local expert holds (n: a
+    device's routed copies per micro-batch)."""
     return [inst.name for inst, _, _ in program.instructions()
-            if any(math.prod(dims) >= R * N * El * 128 for _, dims in arrays(inst.type_text))]
+            if any(math.prod(dims) >= R * n * El * 128 for _, dims in arrays(inst.type_text))]
 
 
+# 16x BASE's batch: 4096 routed rows per local expert per micro-batch, whole tiles of
+# the kernel's 128 rows
+ROUTED = 16
+
+
+@pytest.mark.parametrize("target", ["h100", "b300"])
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "ragged"])
-def test_expert_gemms_do_the_routed_work(dispatcher):
-    program, cfg = _compiled("h100", moe__dispatcher=dispatcher)
-    # the buffers' rows over the routed rows, in every pass: 1.25 at these shapes
-    assert _buffer_rows(dispatcher, 1.25) / N == 1.25
-    assert _expert_ratio(program, cfg) == pytest.approx(1.25, rel=1e-6)
-    assert _rows_x_experts_x_D_buffers(program) == []
+def test_expert_gemms_do_the_routed_work(dispatcher, target):
+    """bf16 experts on a GPU run a grouped GEMM over the packed routed rows (tokamax's
+    Triton kernel), in every pass: forward, recompute, input and weight gradient, of
+    2 GEMMs x 2 layers x 2 micro-batches."""
+    batch = ROUTED * BASE["train"]["batch_size"]
+    program, cfg = _compiled(target, moe__dispatcher=dispatcher, train__batch_size=batch)
+    assert program_flops(program).kernels["expert_gemms"] == {"grouped": 4 * 2 * 2 * 2}
+    assert 1.0 <= _expert_ratio(program, cfg) <= 1.05
+    assert _rows_x_experts_x_D_buffers(program, ROUTED * N) == []
 
 
 def test_the_ratio_sees_the_buffers():
-    """Companion: doubling the buffers doubles the counted expert GEMM work."""
-    program, cfg = _compiled("h100", moe__capacity_factor=2.5)
+    """Companion: counted over all their rows the same grouped GEMMs do the buffers'
+    capacity_factor x the routed work; MXFP8 experts (cuDNN's block-scaled GEMM over
+    per-expert buffers, rows padded to blocks of 128) do it, and doubling the buffers
+    doubles it."""
+    program, cfg = _compiled("h100", train__batch_size=ROUTED * BASE["train"]["batch_size"])
+    program.routed_share = 1.0
+    try:
+        assert _expert_ratio(program, cfg) == pytest.approx(1.25, rel=1e-6)
+    finally:
+        program.routed_share = routed_share(cfg)
+    assert _buffer_rows("ragged", 1.25) / N == 1.25
+    for factor in (1.25, 2.5):  # rows of 5,120 and 10,240 per expert: whole blocks of 128
+        program, cfg = _compiled("b300", moe__expert_precision="mxfp8",
+                                 moe__capacity_factor=factor,
+                                 train__batch_size=ROUTED * BASE["train"]["batch_size"])
+        assert "grouped" not in program_flops(program).kernels["expert_gemms"]
+        assert _expert_ratio(program, cfg) == pytest.approx(factor, rel=1e-6)
     assert _buffer_rows("ragged", 2.5) == 2 * _buffer_rows("ragged", 1.25)
-    assert _expert_ratio(program, cfg) == pytest.approx(2.5, rel=1e-6)
 
 
 def test_ragged_dot_as_xla_lowers_it_fails_both_checks():
@@ -285,7 +311,8 @@ def test_two_hosts_keep_the_expert_exchange_on_each_host():
     program, cfg = _compiled("b300", hosts=2, mesh__data=2, mesh__expert=4)
     assert {d.process_index for d in program.mesh.devices.flat} == {0, 1}
     assert _cross_host_exchanges(program) == 0
-    assert _expert_ratio(program, cfg) == pytest.approx(1.25, rel=1e-6)
+    # 128 routed rows per local expert and micro-batch: one tile of the grouped kernel's
+    assert _expert_ratio(program, cfg) == pytest.approx(1.0, rel=1e-6)
     # companion: an expert group of all 8 devices spans both hosts, and is caught
     program, _ = _compiled("b300", hosts=2, mesh__data=1, mesh__expert=8)
     assert _cross_host_exchanges(program) > 0
@@ -309,10 +336,10 @@ def test_shipped_gpu_configs_compile_for_an_h100(name):
     program = _compile("h100", None, cfg)
     kernels = program_flops(program).kernels
     assert "__cudnn$fmhaSoftmax" in kernels["attention"]
-    # the configs' capacity factor (the default 1.25), which divides evenly here: e8's
-    # one expert per device holds 1.25 x 8 ranks x 64 tokens x 4 / 8 = 320 rows for
-    # its 256 copies
-    assert _expert_ratio(program, cfg) == pytest.approx(cfg.moe.capacity_factor, rel=1e-6)
+    # bf16 experts: the grouped kernel over the routed rows, in whole tiles of 128 rows
+    # here (e8's one expert per device gets 8 ranks x 64 tokens x 4 / 8 = 256 copies)
+    assert set(kernels["expert_gemms"]) == {"grouped"}
+    assert _expert_ratio(program, cfg) == pytest.approx(1.0, rel=1e-6)
 
 
 def test_in_loop_scoring_stays_within_the_train_steps_memory():

@@ -114,3 +114,43 @@ def test_every_product_kind_by_hand():
 ])
 def test_scope_and_pass_from_the_name_stack(op_name, scope, pass_):
     assert scope_of(op_name) == scope and pass_of(op_name) == pass_
+
+
+def _grouped_hlo(target: str) -> str:
+    """tokamax's ragged dot in all three passes, as XLA:GPU printed them (mosaic's
+    metadata operands left out): [4096, 1024] rows, 8 groups of [1024, 512] weights;
+    the input gradient against the weight transposed and as it is."""
+    tag = ('tokamax:{\\"op\\":{\\"__type\\":\\"tokamax._src.ops.ragged_dot.pallas_triton.'
+           'PallasTritonRaggedDot\\",\\"config\\":{\\"block_m\\":128,\\"block_n\\":128}}}')
+    meta = lambda stack: f'metadata={{op_name="jit(step)/{stack}/expert_gemms/{tag}"}}'  # noqa: E731
+    return f"""HloModule jit_step, num_partitions=1
+
+ENTRY %main (x: bf16[4096,1024], w: bf16[8,1024,512], wt: bf16[8,512,1024], dy: bf16[4096,512], s: s32[8]) -> bf16[4096,512] {{
+  %x = bf16[4096,1024]{{1,0}} parameter(0)
+  %w = bf16[8,1024,512]{{2,1,0}} parameter(1)
+  %wt = bf16[8,512,1024]{{2,1,0}} parameter(2)
+  %dy = bf16[4096,512]{{1,0}} parameter(3)
+  %s = s32[8]{{0}} parameter(4)
+  %fwd = bf16[4096,512]{{1,0}} custom-call(%x, %w, %s), custom_call_target="{target}", {meta("jvp()")}
+  %dx = bf16[4096,1024]{{1,0}} custom-call(%dy, %wt, %s), custom_call_target="{target}", {meta("transpose(jvp())")}
+  %dx2 = bf16[4096,1024]{{1,0}} custom-call(%dy, %w, %s), custom_call_target="{target}", {meta("transpose(jvp())")}
+  %dw = bf16[8,1024,512]{{2,1,0}} custom-call(%x, %dy, %s), custom_call_target="{target}", {meta("transpose(jvp())")}
+  ROOT %out = bf16[4096,512]{{1,0}} copy(%fwd)
+}}
+"""
+
+
+def test_a_grouped_gemm_counts_the_routed_rows_and_a_tile_per_group():
+    program = Program(_grouped_hlo("__gpu$xla.gpu.triton"))
+    full = 2.0 * 4096 * 1024 * 512  # every row of the buffer
+    assert program_flops(program).by_scope["expert_gemms"] == {"forward": full,
+                                                               "backward": 3 * full}
+    program.routed_share = 0.45  # 230.4 rows per group: two tiles of 128
+    counted = 2.0 * (8 * 256) * 1024 * 512
+    flops = program_flops(program)
+    assert flops.by_scope["expert_gemms"] == {"forward": counted, "backward": 3 * counted}
+    assert flops.kernels["expert_gemms"] == {"grouped": 4}
+    # companion: another kernel's custom call with the same shapes is not a grouped GEMM
+    other = program_flops(Program(_grouped_hlo("__gpu$xla.gpu.triton").replace(
+        "RaggedDot", "FlashAttention")))
+    assert "expert_gemms" not in other.by_scope and other.unknown_kernels

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.kernels import Kernels
-from jaxmoe.model.experts import ExpertWeights, expert_ffn
+from jaxmoe.model.experts import ExpertWeights, expert_ffn, expert_rows_ffn
 from jaxmoe.model.router import Routing
 
 
@@ -45,21 +45,38 @@ def routed_copies(expert_TxK: jax.Array) -> tuple[jax.Array, jax.Array]:
     return expert_TxK.T.reshape(-1), jnp.tile(jnp.arange(T, dtype=jnp.int32), K)
 
 
+def _arrival_rows(expert_N: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(row_N, counts_E): each copy's place among its expert's copies, in arrival
+    order, and the copies per expert."""
+    N = expert_N.shape[0]
+    order_N = jnp.argsort(expert_N, stable=True)
+    counts_E = jnp.zeros((num_experts,), jnp.int32).at[expert_N].add(1)
+    starts_E = jnp.cumsum(counts_E) - counts_E
+    row_sorted_N = jnp.arange(N, dtype=jnp.int32) - starts_E[expert_N[order_N]]
+    return jnp.zeros((N,), jnp.int32).at[order_N].set(row_sorted_N), counts_E
+
+
 def buffer_slots(expert_N: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
     """Row-wise placement: each copy's row in its expert's buffer, in arrival order.
 
     Returns (slot_N, kept_N): slot = expert * cap + row for kept copies, and the
     out-of-range slot E * cap for copies past the capacity.
     """
-    N = expert_N.shape[0]
-    order_N = jnp.argsort(expert_N, stable=True)
-    counts_E = jnp.zeros((num_experts,), jnp.int32).at[expert_N].add(1)
-    starts_E = jnp.cumsum(counts_E) - counts_E
-    row_sorted_N = jnp.arange(N, dtype=jnp.int32) - starts_E[expert_N[order_N]]
-    row_N = jnp.zeros((N,), jnp.int32).at[order_N].set(row_sorted_N)
+    row_N, _ = _arrival_rows(expert_N, num_experts)
     kept_N = row_N < cap
-    slot_N = jnp.where(kept_N, expert_N * cap + row_N, num_experts * cap)
-    return slot_N, kept_N
+    return jnp.where(kept_N, expert_N * cap + row_N, num_experts * cap), kept_N
+
+
+def packed_slots(expert_N: jax.Array, num_experts: int,
+                 cap: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`buffer_slots`' placement and drops with the buffers packed for a grouped GEMM:
+    expert e's kept rows follow those of the experts before it. Returns (slot_N,
+    kept_N, rows_E): rows_E[e] kept copies of expert e; slot E * cap for the dropped."""
+    row_N, counts_E = _arrival_rows(expert_N, num_experts)
+    rows_E = jnp.minimum(counts_E, cap)
+    kept_N = row_N < cap
+    start_E = jnp.cumsum(rows_E) - rows_E
+    return jnp.where(kept_N, start_E[expert_N] + row_N, num_experts * cap), kept_N, rows_E
 
 
 def gather_rows(x_TxD: jax.Array, slot_N: jax.Array, token_N: jax.Array, num_slots: int) -> jax.Array:
@@ -99,7 +116,9 @@ def dense_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
 
 def grouped_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
                      kernels: Kernels | None = None) -> Dispatched:
-    """Local capacity-bounded dispatch: per-expert buffers and one batched GEMM.
+    """Local capacity-bounded dispatch: per-expert buffers and one batched GEMM, or
+    where the devices have a grouped GEMM (`Kernels.grouped_gemm`), the same buffers
+    packed and the GEMM over exactly the kept rows.
 
     Copies arrive k-major (`routed_copies`), so drops fall on lower choices first.
     """
@@ -107,10 +126,16 @@ def grouped_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
     E, K = cfg.num_experts, cfg.top_k
     C = capacity(T, K, E, cfg.capacity_factor)
     expert_N, token_N = routed_copies(routing.expert_TxK)
-    slot_N, kept_N = buffer_slots(expert_N, E, C)
-    x_ExCxD = gather_rows(x_TxD, slot_N, token_N, E * C).reshape(E, C, D)
-    y_ExCxD = expert_ffn(w, x_ExCxD, cfg, kernels)
-    y_TxD = combine_rows(y_ExCxD.reshape(E * C, D), slot_N, routing.gate_TxK.T)
+    kernels = Kernels.default() if kernels is None else kernels
+    if grouped := kernels.grouped_gemm(cfg):
+        slot_N, kept_N, rows_E = packed_slots(expert_N, E, C)
+        x_ECxD = gather_rows(x_TxD, slot_N, token_N, E * C)
+        y_ECxD = expert_rows_ffn(w, x_ECxD, rows_E, kernels, grouped)
+    else:
+        slot_N, kept_N = buffer_slots(expert_N, E, C)
+        x_ExCxD = gather_rows(x_TxD, slot_N, token_N, E * C).reshape(E, C, D)
+        y_ECxD = expert_ffn(w, x_ExCxD, cfg, kernels).reshape(E * C, D)
+    y_TxD = combine_rows(y_ECxD, slot_N, routing.gate_TxK.T)
     return Dispatched(y_TxD, jnp.sum(~kept_N).astype(jnp.int32))
 
 

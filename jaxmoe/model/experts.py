@@ -14,6 +14,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.kernels import Kernels
 from jaxmoe.model.layers import param
 from jaxmoe.model.remat import EXPERT_DOWN, EXPERT_GATE_UP
+from jaxmoe.ops.grouped_gemm import grouped_matmul
 from jaxmoe.ops.mx import MXWeight, mx_linear, quantize_weight
 
 
@@ -85,6 +86,16 @@ def expert_ffn(w: ExpertWeights, x_ExCxD: jax.Array, cfg: MoEConfig | None = Non
     else:
         matmul = lambda x, w: jnp.einsum("eck,ekn->ecn", x, w.astype(dt))  # noqa: E731
     return swiglu_experts(matmul, w, x_ExCxD)
+
+
+def expert_rows_ffn(w: ExpertWeights, x_ECxD: jax.Array, rows_E: jax.Array,
+                    kernels: Kernels, implementation: str) -> jax.Array:
+    """Each expert's SwiGLU on exactly its rows, packed expert after expert in `x_ECxD`
+    (rows_E[e] rows each; the rows past them are free and come back unspecified), as
+    a grouped GEMM (`jaxmoe.ops.grouped_gemm`): the routed rows' work and no more."""
+    matmul = lambda x, w_ExIxO: grouped_matmul(x, w_ExIxO, rows_E, kernels,  # noqa: E731
+                                               implementation)
+    return swiglu_experts(matmul, w, x_ECxD)
 
 
 def swiglu_experts(matmul, w: ExpertWeights, x: jax.Array) -> jax.Array:

@@ -5,11 +5,14 @@ experts each, global expert e = rank * El + local_e. Tokens are split over the
 batch axes ("data", "expert"), so every device holds Tl = T / (data * R) tokens
 and their routing. Each dispatcher is a per-device function (`EXPERT_PARALLEL`) that
 moves the Tl * K routed copies to the ranks owning their experts, runs the local
-experts on fixed per-expert row buffers [El, C, D] as one batched GEMM
-(`expert_ffn`: plain GEMMs on every backend, MXFP8 where configured) and brings
-the outputs back to be combined with the gates. Every buffer holds
-`moe.capacity_factor` x its uniform share of rows; copies past it are dropped,
-first choices last, and counted. They take the local dispatchers' arguments and run
+experts and brings the outputs back to be combined with the gates. Every expert
+has room for `moe.capacity_factor` x its uniform share of rows; copies past it
+are dropped, first choices last, and counted. Where the devices have a grouped
+GEMM (`Kernels.grouped_gemm`: NVIDIA GPUs, bf16 experts) the received rows are
+packed expert after expert and the GEMM does exactly the kept rows' work
+(`expert_rows_ffn`); elsewhere (CPU, MXFP8 experts) it runs over fixed
+per-expert buffers [El, C, D] as one batched GEMM (`expert_ffn`), padding
+included. They take the local dispatchers' arguments and run
 where the `expert` axis is bound: inside the ddp step's `shard_map`, or inside the
 one a layout with the global view opens (`jaxmoe.parallel.layout`), so neither the
 router nor the expert weights change.
@@ -44,8 +47,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmoe.config import MoEConfig
 from jaxmoe.kernels import Kernels
 from jaxmoe.model.dispatch import (Dispatched, buffer_slots, capacity, combine_rows, gather_rows,
-                                   routed_copies)
-from jaxmoe.model.experts import ExpertWeights, expert_ffn
+                                   packed_slots, routed_copies)
+from jaxmoe.model.experts import ExpertWeights, expert_ffn, expert_rows_ffn
 from jaxmoe.model.remat import EXCHANGE_BACK, EXCHANGE_OUT
 from jaxmoe.model.router import Routing
 from jaxmoe.parallel.ragged_cpu import install_cpu_lowering
@@ -84,13 +87,39 @@ def alltoall(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
         # recv[r] holds what source rank r sent for my El experts.
         recv_RxElxCxD = checkpoint_name(
             lax.all_to_all(send_RxElxCxD, "expert", 0, 0, tiled=True), EXCHANGE_OUT)
-    x_ElxRCxD = recv_RxElxCxD.transpose(1, 0, 2, 3).reshape(El, R * C, D)
-    y_ElxRxCxD = expert_ffn(w_local, x_ElxRCxD, cfg, kernels).reshape(El, R, C, D)
+    if grouped := kernels.grouped_gemm(cfg):
+        # the received blocks' kept rows, packed expert after expert (sources in order)
+        sent_E = jnp.minimum(jnp.zeros((E,), jnp.int32).at[expert_N].add(1), C)
+        rows_RxEl = lax.all_to_all(sent_E.reshape(R, El), "expert", 0, 0, tiled=True)
+        pack_RElC = packed_rows(rows_RxEl, C)
+        rows = R * El * C
+        x_RElCxD = gather_rows(recv_RxElxCxD.reshape(rows, D), pack_RElC,
+                               jnp.arange(rows, dtype=jnp.int32), rows)
+        y_RElCxD = expert_rows_ffn(w_local, x_RElCxD, rows_RxEl.sum(0), kernels, grouped)
+        y_RxElxCxD = jnp.concatenate([y_RElCxD, jnp.zeros((1, D), y_RElCxD.dtype)])[pack_RElC]
+        y_RxElxCxD = y_RxElxCxD.reshape(R, El, C, D)
+    else:
+        x_ElxRCxD = recv_RxElxCxD.transpose(1, 0, 2, 3).reshape(El, R * C, D)
+        y_ElxRxCxD = expert_ffn(w_local, x_ElxRCxD, cfg, kernels).reshape(El, R, C, D)
+        y_RxElxCxD = y_ElxRxCxD.transpose(1, 0, 2, 3)
     with jax.named_scope("exchange_back"):
         back_RxElxCxD = checkpoint_name(lax.all_to_all(
-            y_ElxRxCxD.transpose(1, 0, 2, 3), "expert", 0, 0, tiled=True), EXCHANGE_BACK)
+            y_RxElxCxD, "expert", 0, 0, tiled=True), EXCHANGE_BACK)
         y_TlxD = combine_rows(back_RxElxCxD.reshape(E * C, D), slot_N, gate_TlxK.T)
     return Dispatched(y_TlxD, jnp.sum(~kept_N, dtype=jnp.int32))
+
+
+def packed_rows(rows_RxEl: jax.Array, C: int) -> jax.Array:
+    """Where each row of a received [R, El, C] block goes when packed for the grouped
+    GEMM: local expert l's rows follow those of the experts before it, source after
+    source; the first rows_RxEl[s, l] rows of block (s, l) are kept, the others map
+    to the out-of-range row R * El * C. Flat, [R * El * C]."""
+    R, El = rows_RxEl.shape
+    total_El = rows_RxEl.sum(0)
+    start_RxEl = (jnp.cumsum(total_El) - total_El)[None] + jnp.cumsum(rows_RxEl, 0) - rows_RxEl
+    row_C = jnp.arange(C, dtype=jnp.int32)
+    packed = start_RxEl[:, :, None] + row_C
+    return jnp.where(row_C < rows_RxEl[:, :, None], packed, R * El * C).reshape(-1)
 
 
 # ------------------------------------------------------------------ allgather
@@ -122,12 +151,20 @@ def allgather(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
     local_N = expert_N - lax.axis_index("expert") * El
     mine_N = (local_N >= 0) & (local_N < El)
     # other ranks' copies queue in an extra bucket El, never computed
-    slot_N, kept_N = buffer_slots(jnp.where(mine_N, local_N, El), El + 1, C)
+    bucket_N = jnp.where(mine_N, local_N, El)
+    if grouped := kernels.grouped_gemm(cfg):  # the bucket El comes last: packing skips it
+        slot_N, kept_N, bucket_rows = packed_slots(bucket_N, El + 1, C)
+        rows_El = bucket_rows[:El]
+    else:
+        slot_N, kept_N = buffer_slots(bucket_N, El + 1, C)
     slot_N = jnp.where(mine_N & kept_N, slot_N, El * C)  # El * C: the zero row
-    x_ElxCxD = gather_rows(x_TgxD, slot_N, token_N, El * C).reshape(El, C, D)
-    y_ElxCxD = expert_ffn(w_local, x_ElxCxD, cfg, kernels)
+    x_ElCxD = gather_rows(x_TgxD, slot_N, token_N, El * C)
+    if grouped:
+        y_ElCxD = expert_rows_ffn(w_local, x_ElCxD, rows_El, kernels, grouped)
+    else:
+        y_ElCxD = expert_ffn(w_local, x_ElCxD.reshape(El, C, D), cfg, kernels).reshape(El * C, D)
     slot_KxTg = slot_N.reshape(R, K, Tl).transpose(1, 0, 2).reshape(-1)  # combine's k-major order
-    y_TgxD = combine_rows(y_ElxCxD.reshape(El * C, D), slot_KxTg, gate_TgxK.T)
+    y_TgxD = combine_rows(y_ElCxD, slot_KxTg, gate_TgxK.T)
     with jax.named_scope("exchange_back"):
         y_TlxD = checkpoint_name(
             lax.psum_scatter(y_TgxD, "expert", scatter_dimension=0, tiled=True), EXCHANGE_BACK)
@@ -150,16 +187,20 @@ class RaggedPlan(NamedTuple):
     forward: tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # in_off, send, out_off, recv
     backward: tuple[jax.Array, jax.Array, jax.Array, jax.Array]
     dropped: jax.Array  # int32: this rank's copies past their expert's C rows
+    rows_El: jax.Array  # int32: the rows this rank's experts receive, each
 
 
-def ragged_plan(counts_RxE: jax.Array, rank: jax.Array, El: int, C: int) -> RaggedPlan:
+def ragged_plan(counts_RxE: jax.Array, rank: jax.Array, El: int, C: int,
+                packed: bool = False) -> RaggedPlan:
     """Offsets and sizes for one rank, from every rank's per-expert copy counts.
 
     counts_RxE[s, e]: copies on source rank s routed to expert e. A sender's
     buffer is sorted by expert, so its slice e starts at the running sum of its
     counts. Expert e's C rows are filled by the sources in rank order: source s's
     copies start at the sum of the lower sources' counts, and those that start
-    past C are dropped (the rest of the slice is not sent).
+    past C are dropped (the rest of the slice is not sent). `packed`: the receiver's
+    experts' rows follow each other with no room between (for the grouped GEMM);
+    expert l's rows then start after the rows of the experts before it.
     """
     R, E = counts_RxE.shape
     counts_RxE = counts_RxE.astype(jnp.int32)
@@ -167,15 +208,18 @@ def ragged_plan(counts_RxE: jax.Array, rank: jax.Array, El: int, C: int) -> Ragg
     c_RxRxEl = counts_RxE.reshape(R, R, El)  # [src, dest, local expert]
     place_RxRxEl = jnp.cumsum(c_RxRxEl, axis=0) - c_RxRxEl  # row in the expert's C
     kept_RxRxEl = jnp.clip(C - place_RxRxEl, 0, c_RxRxEl)
+    rows_RxEl = kept_RxRxEl.sum(0)  # [dest, local expert]
+    start_RxEl = (jnp.cumsum(rows_RxEl, 1) - rows_RxEl if packed else
+                  jnp.broadcast_to(jnp.arange(El, dtype=jnp.int32) * C, (R, El)))
     # receiver-side row; a slice that sends nothing points at row 0
-    row_RxRxEl = jnp.where(kept_RxRxEl > 0, jnp.arange(El) * C + place_RxRxEl, 0)
+    row_RxRxEl = jnp.where(kept_RxRxEl > 0, start_RxEl[None] + place_RxRxEl, 0)
     to_me = (slice(None), rank)  # [src, dest=rank, :]
     forward = (start_RxE[rank], kept_RxRxEl[rank].reshape(E), row_RxRxEl[rank].reshape(E),
                kept_RxRxEl[to_me].reshape(E))
     backward = (row_RxRxEl[to_me].reshape(E), kept_RxRxEl[to_me].reshape(E),
                 start_RxE.reshape(R, R, El)[to_me].reshape(E), kept_RxRxEl[rank].reshape(E))
     dropped = jnp.sum(counts_RxE[rank]) - jnp.sum(kept_RxRxEl[rank])
-    return RaggedPlan(forward, backward, dropped)
+    return RaggedPlan(forward, backward, dropped, rows_RxEl[rank])
 
 
 def ragged(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
@@ -186,8 +230,9 @@ def ragged(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
     per-expert counts are all-gathered (R * E ints), and each rank derives the
     exchange offsets from them (`ragged_plan`). Each local expert has C rows for
     the whole group's copies, C = capacity_factor x its uniform share R * Tl * K / E,
-    so the GEMM does capacity_factor x the routed rows' work and no buffer grows
-    with R: the receive buffer is [El * C, D] and the returned one [Tl * K, D].
+    and no buffer grows with R: the receive buffer is [El * C, D] and the returned
+    one [Tl * K, D]. With a grouped GEMM the experts' rows are packed and it does the
+    kept rows' work; over buffers, capacity_factor x the routed rows'.
     Copies that find no room come back as zero rows (they add nothing).
     """
     expert_TlxK, gate_TlxK, R = routing.expert_TxK, routing.gate_TxK, lax.axis_size("expert")
@@ -200,8 +245,10 @@ def ragged(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
     order_N = jnp.argsort(expert_N, stable=True)
     slot_N = jnp.zeros((N,), jnp.int32).at[order_N].set(jnp.arange(N, dtype=jnp.int32))
     counts_E = jnp.zeros((E,), jnp.int32).at[expert_N].add(1)
+    grouped = kernels.grouped_gemm(cfg)
     with jax.named_scope("exchange_out"):
-        plan = ragged_plan(lax.all_gather(counts_E, "expert"), lax.axis_index("expert"), El, C)
+        plan = ragged_plan(lax.all_gather(counts_E, "expert"), lax.axis_index("expert"), El, C,
+                           packed=grouped is not None)
         send_NxD = gather_rows(x_TlxD, slot_N, token_N, N)
         # The exchange's result has its output buffer's type, so the buffers are
         # zeros_like the rows sent (device-varying): an invariant one would make
@@ -209,10 +256,13 @@ def ragged(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
         recv_ElCxD = checkpoint_name(lax.ragged_all_to_all(
             send_NxD, jnp.zeros_like(send_NxD, shape=(El * C, D)), *plan.forward,
             axis_name="expert"), EXCHANGE_OUT)
-    y_ElxCxD = expert_ffn(w_local, recv_ElCxD.reshape(El, C, D), cfg, kernels)
+    if grouped:
+        y_ElCxD = expert_rows_ffn(w_local, recv_ElCxD, plan.rows_El, kernels, grouped)
+    else:
+        y_ElCxD = expert_ffn(w_local, recv_ElCxD.reshape(El, C, D), cfg, kernels).reshape(El * C, D)
     with jax.named_scope("exchange_back"):
         back_NxD = checkpoint_name(lax.ragged_all_to_all(
-            y_ElxCxD.reshape(El * C, D), jnp.zeros_like(send_NxD), *plan.backward,
+            y_ElCxD, jnp.zeros_like(send_NxD), *plan.backward,
             axis_name="expert"), EXCHANGE_BACK)
         y_TlxD = combine_rows(back_NxD, slot_N, gate_TlxK.T)
     return Dispatched(y_TlxD, plan.dropped)

@@ -106,6 +106,9 @@ class Program:
         self.calls: dict[str, list[tuple[int, bool, str]]] = defaultdict(list)
         self.entry = None
         self.loops_without_trip_count: list[str] = []  # counted as one trip each
+        # the share of a grouped GEMM's rows that routing fills, which the program cannot
+        # say (`program_flops`): 1 counts every row; the planner sets its routing's
+        self.routed_share = 1.0
         current = None
         self._roots: dict[str, Instruction] = {}
         for line in text.splitlines():

@@ -74,6 +74,13 @@ def routed_expert_flops(cfg) -> float:
     return 6.0 * m.d_model * moe.expert_hidden * copies * layers
 
 
+def routed_share(cfg) -> float:
+    """The share of the expert buffers' rows that the routed copies fill at balanced
+    routing: 1 / `moe.capacity_factor` (less where a buffer's rows round up), what a
+    grouped GEMM over the packed rows computes (`Program.routed_share`)."""
+    return 1.0 / cfg.moe.capacity_factor if cfg.num_moe_layers else 1.0
+
+
 def expert_gemm_ratios(expert_flops: dict[str, float], routed_forward: float) -> dict[str, float]:
     """Per pass: the program's expert-GEMM FLOPs over the routed rows' (backward: twice
     the forward's); "max" is the worst pass."""
@@ -90,6 +97,8 @@ def compile_train_step(cfg, target: str | None = None, hosts: int | None = None,
     `hosts` hosts, `targets.topology`): (compiled, steps, abstract state). Nothing is
     allocated. `dump_to`: a directory for XLA's dump of the program (its buffer
     assignment and memory report: `largest_buffers`)."""
+    import contextlib
+
     import jax
     import jax.numpy as jnp
 
@@ -106,7 +115,9 @@ def compile_train_step(cfg, target: str | None = None, hosts: int | None = None,
     t = cfg.train
     batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32,
                                  sharding=steps.batch_sharding)
-    lowered = steps.train_step.trace(abstract, batch).lower()
+    # kernel libraries that read JAX's default device (tokamax) see the target's
+    with jax.default_device(devices[0]) if devices else contextlib.nullcontext():
+        lowered = steps.train_step.trace(abstract, batch).lower()
     dump = None if dump_to is None else {
         "xla_dump_to": dump_to, "xla_dump_hlo_as_text": True, "xla_dump_hlo_pass_re": "^$",
         "xla_dump_hlo_module_re": ".*train_step.*"}
@@ -212,6 +223,7 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     mesh = steps.mesh
     mem = compiled.memory_analysis()
     program = Program(compiled.as_text())
+    program.routed_share = routed_share(cfg)
 
     def per_device(tree) -> int:
         return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
@@ -308,7 +320,9 @@ def step_kernels(mesh, cfg) -> dict:
     return {"device_kind": k.device_kind, "attention": k.attention(cfg.model),
             "native_mxfp8": k.native_mxfp8 and cfg.moe.expert_precision == "mxfp8",
             "ragged_exchange": ("native" if k.native_ragged_exchange else "cpu stand-in")
-            if ragged else "-"}
+            if ragged else "-",
+            # the experts' GEMM: a grouped kernel over the routed rows, or over buffers
+            "expert_gemm": (k.grouped_gemm(cfg.moe) or "buffers") if cfg.num_moe_layers else "-"}
 
 
 def print_plan(p: dict) -> None:
@@ -318,7 +332,8 @@ def print_plan(p: dict) -> None:
           f"({p['params_total'] / 1e9:.1f}B total, {p['params_active'] / 1e9:.2f}B active)")
     k = p["kernels"]
     print(f"  compiled for {p['target']} ({k['device_kind']}): attention {k['attention']}, "
-          f"native MXFP8 {k['native_mxfp8']}, ragged exchange {k['ragged_exchange']}")
+          f"native MXFP8 {k['native_mxfp8']}, ragged exchange {k['ragged_exchange']}, "
+          f"expert GEMM {k['expert_gemm']}")
     for key, v in p["bytes_per_device"].items():
         print(f"  {key:28s} {gb(v):>12s} per device")
     if p["largest_buffers"]:

@@ -19,6 +19,17 @@ name stack (the model's `jax.named_scope`s; "other" when none) and to a pass:
 checkpointed forward (`rematted_computation`), else "forward". Custom calls of
 unknown kernels are listed, not guessed at. The figures are the kernels' operand
 shapes: padding a kernel adds (cuDNN's block-scaled GEMM pads rows to 128) counts.
+
+A grouped GEMM (tokamax's ragged dot, `jaxmoe.ops.grouped_gemm`; forward, input
+and weight gradient) computes only the rows its groups hold, which are data, not
+shapes. At balanced routing, the planner's premise, each of its E groups (experts)
+holds `Program.routed_share` x C / E of its C rows (the routed copies over the rows
+of the buffers they are packed into), and the kernel runs whole tiles of block_m
+rows from each group's start (tokamax's Triton kernel: one program per group and
+row tile that starts inside the group; its weight gradient steps through a group's
+rows in tiles no longer), so with I inputs and O outputs it counts
+
+    grouped GEMM      2 x min(C, E x ceil(share x C / E / block_m) x block_m) x I x O
 """
 
 from __future__ import annotations
@@ -42,6 +53,9 @@ PASSES = ("forward", "backward", "recompute")
 _GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 _BLOCK_SCALED = ("__cudnn$blockScaledDot", "__op$block_scaled_dot")
 _ATTENTION = re.compile(r"^__cudnn\$fmha\w*$")
+# tokamax names its op, tiles included, in the call's op_name (escaped JSON)
+_GROUPED = re.compile(r'tokamax:\{\\"op\\":\{\\"__type\\":\\"[\w.]*RaggedDot')
+_BLOCK_M = re.compile(r'\\"block_m\\":(\d+)')
 
 
 @dataclass
@@ -114,6 +128,34 @@ def _block_scaled_flops(inst: Instruction, program: Program) -> float:
     return 2.0 * math.prod(out[0][1]) * lhs[0][1][-1] if lhs and out else 0.0
 
 
+def grouped_gemm(inst: Instruction) -> bool:
+    """Whether `inst` is a grouped GEMM (tokamax's ragged dot, any pass)."""
+    return inst.op == "custom-call" and bool(_GROUPED.search(inst.attrs))
+
+
+def _grouped_flops(inst: Instruction, program: Program) -> float:
+    """Forward and input gradient: [C, i] x [E, i, o] -> [C, o] (the weight in either
+    layout: i is what remains of it); weight gradient: [C, a] and [C, b] (or
+    transposed) -> [E, a, b], C contracted."""
+    out = arrays(inst.type_text)
+    operands = [dims for o in inst.operands for dt, dims in arrays(program.type_of(o))
+                if dt.startswith(("f", "bf"))]
+    if not out or not operands:
+        return 0.0
+    out = out[0][1]
+    if len(out) == 2:
+        weight = next((d for d in operands if len(d) == 3), None)
+        if weight is None:
+            return 0.0
+        C, o = out
+        E, per_row = weight[0], 2 * math.prod(weight[1:])  # 2 i o
+    else:
+        E, a, b = out
+        C, per_row = math.prod(operands[0]) // a, 2 * a * b
+    block = int(m.group(1)) if (m := _BLOCK_M.search(inst.attrs)) else 1
+    return min(C, E * math.ceil(program.routed_share * C / E / block) * block) * per_row
+
+
 def _attention_flops(inst: Instruction) -> float:
     config = _backend_config(inst.attrs).get("cudnn_fmha_backend_config", {})
     scores = [int(d) for d in config.get("intermediate_tensor_shape", {}).get("dimensions", [])]
@@ -138,6 +180,8 @@ def product_flops(inst: Instruction, program: Program) -> float | None:
         return _gemm_call_flops(inst, program)
     if inst.target in _BLOCK_SCALED:
         return _block_scaled_flops(inst, program)
+    if grouped_gemm(inst):
+        return _grouped_flops(inst, program)
     if _ATTENTION.match(inst.target):
         return _attention_flops(inst)
     return None
@@ -157,6 +201,6 @@ def program_flops(program: Program | str) -> ProgramFlops:
             continue
         scope = scope_of(inst.op_name)
         by_scope[scope][pass_of(inst.op_name)] += flops * runs
-        kernels[scope][inst.target or "dot"] += runs
+        kernels[scope]["grouped" if grouped_gemm(inst) else inst.target or "dot"] += runs
     return ProgramFlops({s: dict(p) for s, p in by_scope.items()},
                         {s: dict(k) for s, k in kernels.items()}, dict(unknown))
