@@ -158,13 +158,30 @@ class Saver:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001: the same failure, raised again
             self._failed(f"{type(e).__name__}: {e}")
-        for partial in self.directory.glob("*.orbax-checkpoint-tmp*"):
-            shutil.rmtree(partial, ignore_errors=True)
+        try:  # the wait returns at the first failure; closing joins every writer
+            self.manager.close()
+        except Exception as e:  # noqa: BLE001: the same failure, raised again
+            self._failed(f"{type(e).__name__}: {e}")
+        _remove_partials(self.directory)
         kept = [s for s in complete_steps(self.directory) if s != self.pending]
+        reason = _reason(self.errors or [self.error])
         raise CheckpointError(
-            f"saving checkpoint {self.pending} in {self.directory} failed: {_reason(self.errors or [self.error])}; "
+            f"saving checkpoint {self.pending} in {self.directory} failed: {reason}; "
             + (f"the last complete one, step {kept[-1]}, is kept" if kept else
                "there is no complete checkpoint"))
+
+
+def _remove_partials(directory: Path, settle_s: float = 0.2, rounds: int = 25) -> None:
+    """Removes a failed save's temporary directories until none comes back within
+    `settle_s` (a writer still winding down may create one after a first removal)."""
+    import time
+    for _ in range(rounds):
+        partials = list(directory.glob("*.orbax-checkpoint-tmp*"))
+        for partial in partials:
+            shutil.rmtree(partial, ignore_errors=True)
+        time.sleep(settle_s)
+        if not partials and not any(directory.glob("*.orbax-checkpoint-tmp*")):
+            return
 
 
 def _reason(errors: list[str]) -> str:
