@@ -47,7 +47,8 @@ def test_47b_fits_a_b300_with_the_shipped_dispatcher(b300):
     assert plan["params_total"] == pytest.approx(47e9, rel=0.02)
     mem = plan["bytes_per_device"]
     assert 20e9 < mem["parameters"] < 30e9  # experts resident, 16 of 128 per device
-    assert mem["optimizer_state"] == pytest.approx(2 * mem["parameters"], rel=1e-6)
+    # Adam's first moment in bf16 (the config's optimizer.mu_dtype), its second in fp32
+    assert mem["optimizer_state"] == pytest.approx(1.5 * mem["parameters"], rel=1e-3)
     assert mem["parameters"] + mem["optimizer_state"] <= mem["peak"] <= 136e9
     assert "FITS: peak" in stdout and plan["fits"]
     assert stdout.startswith("compiling the train step for 8 virtual B300s (XLA:GPU) ...\n")
