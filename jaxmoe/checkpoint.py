@@ -555,8 +555,13 @@ def _quiet_failed_io() -> None:
         if not closed(args.exc_value):
             thread_hook(args)
 
-    def on_unraisable(unraisable):  # TensorStore's callbacks report through it, without object
-        if not (closed(unraisable.exc_value) or "orbax" in repr(unraisable.object)):
+    def orbax(obj) -> bool:  # an orbax object, or one of its coroutines (named in its code)
+        code = getattr(obj, "cr_code", None)
+        return "orbax" in repr(obj) or (code is not None and "orbax" in code.co_filename)
+
+    def on_unraisable(unraisable):  # TensorStore's callbacks report through it, without
+        # object; orbax's read coroutines still running when the failure surfaced, with it
+        if not (closed(unraisable.exc_value) or orbax(unraisable.object)):
             unraisable_hook(unraisable)
 
     def abandoned(record: logging.LogRecord) -> bool:  # asyncio's "... never retrieved"
