@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -95,13 +96,31 @@ class MoEConfig:
     z_loss_weight: float = 0.001
 
 
+# the device mesh's axes, outermost first (`jaxmoe.sharding` says what each holds)
+MESH_AXES = ("data", "stage", "context", "expert")
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     data: int = -1  # -1: all devices left over
     expert: int = 1
     stage: int = 1
+    # devices each sequence is split over (long context): every device holds a
+    # contiguous chunk of seq_len / context positions of its rows; attention gathers
+    # heads across the chunks (`jaxmoe.parallel.context`); ddp only
+    context: int = 1
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     zero1: bool = True  # shard optimizer state over each tensor's replica axes
+
+    @property
+    def devices(self) -> int:
+        """The mesh's devices (every axis given: none -1)."""
+        return math.prod(getattr(self, a) for a in MESH_AXES)
+
+    @property
+    def token_shards(self) -> int:
+        """Devices holding different tokens of a batch: data x context x expert."""
+        return self.data * self.context * self.expert
 
 
 @dataclass(frozen=True)
@@ -285,6 +304,27 @@ def check_expert_split(num_experts: int, expert: int) -> None:
              f"{num_experts} experts cannot be split over mesh.expert={expert}")
 
 
+def check_context_split(c: Config, context: int) -> None:
+    """Each device holds seq_len / context positions of its rows and, inside attention,
+    num_heads / context of the heads over the whole sequence; run wherever `context`
+    is known (the config, a resolved mesh)."""
+    m, t = c.model, c.train
+    _require(c.mesh.parallelism == "ddp", "mesh.context",
+             f"splitting sequences over {context} devices needs mesh.parallelism: ddp")
+    _require(t.seq_len % context == 0, "mesh.context",
+             f"train.seq_len={t.seq_len} cannot be split into {context} equal chunks")
+    _require(m.num_heads % context == 0, "mesh.context",
+             f"attention spreads model.num_heads={m.num_heads} over {context} devices")
+    _require(m.num_kv_heads % context == 0 or context % m.num_kv_heads == 0, "mesh.context",
+             f"model.num_kv_heads={m.num_kv_heads} neither divides over {context} devices "
+             "nor repeats evenly to them")
+    for key in ("loss_chunk", "dense_mlp_chunk"):
+        chunk, per_device = getattr(t, key), t.seq_len // context
+        _require(not chunk or chunk >= per_device or per_device % chunk == 0, f"train.{key}",
+                 f"{chunk} does not divide the {per_device} positions each of mesh.context="
+                 f"{context} devices holds")
+
+
 # numbers that must be above zero; the others of these sections must not be below it
 _POSITIVE = {f"model.{k}" for k in ("vocab_size", "d_model", "num_layers", "num_heads",
                                     "num_kv_heads")} | {"train.steps", "train.batch_size",
@@ -348,11 +388,13 @@ def validate(c: Config) -> None:
         if moe.expert_precision == "mxfp8":
             _require(m.d_model % 32 == 0 and moe.expert_hidden % 32 == 0, "moe.expert_precision",
                      "mxfp8 blocks of 32 need d_model and expert_hidden divisible by 32")
-    for axis in ("data", "expert", "stage"):
+    for axis in MESH_AXES:
         v = getattr(c.mesh, axis)
         _require(v == -1 or v > 0, f"mesh.{axis}", f"must be positive or -1, got {v}")
-    _require([c.mesh.data, c.mesh.expert, c.mesh.stage].count(-1) <= 1, "mesh",
+    _require([getattr(c.mesh, a) for a in MESH_AXES].count(-1) <= 1, "mesh",
              "at most one axis may be -1")
+    if c.mesh.context != 1:
+        check_context_split(c, c.mesh.context)
     if c.num_moe_layers and c.mesh.expert > 0:
         check_expert_split(moe.num_experts, c.mesh.expert)
     M, W = c.pipeline.stage_microbatches, c.pipeline.virtual_stages

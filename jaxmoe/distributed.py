@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from jaxmoe.sharding import process_rows
+from jaxmoe.sharding import describe, process_rows
 
 ENV = {"coordinator": "JAXMOE_COORDINATOR", "num_processes": "JAXMOE_NUM_PROCESSES",
        "process_id": "JAXMOE_PROCESS_ID", "peer_timeout": "JAXMOE_PEER_TIMEOUT"}
@@ -143,7 +143,7 @@ def layout(batch_sharding: NamedSharding, batch_size: int) -> str:
         block, count = process_rows(batch_sharding, batch_size, p)
         rows = batch_size // count
         blocks.append(f"process {p} rows {block * rows}:{(block + 1) * rows}")
-    shape = " x ".join(f"{a}={n}" for a, n in batch_sharding.mesh.shape.items())
+    shape = describe(batch_sharding.mesh.shape)
     return (f"{jax.process_count()} processes x {jax.local_device_count()} devices, mesh "
             f"{shape}; of each batch of {batch_size}: {', '.join(blocks)}")
 

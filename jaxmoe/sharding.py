@@ -1,9 +1,12 @@
 """The device mesh and the rules that place every tensor on it.
 
-Mesh axes: `data` (replicas), `stage` (pipeline stages), `expert` (experts split
-across devices; outside MoE layers also a batch axis). `expert` is innermost and
-devices are ordered host by host, so that an expert group (and a pipeline) is
-made of adjacent devices of one host, on its fast links.
+Mesh axes: `data` (replicas), `stage` (pipeline stages), `context` (each sequence
+split into chunks of positions over devices), `expert` (experts split across
+devices; outside MoE layers also a batch axis). Batch rows are split over `data`
+and `expert`; every device of a `context` group holds the same rows, a chunk of
+their positions each. `expert` is innermost, then `context`, and devices are
+ordered host by host, so that an expert group (then a context group, and a
+pipeline) is made of adjacent devices of one host, on its fast links.
 
 Parameters carry logical axis names (`layers`, `vocab`, `embed`, `heads`, ...);
 one table per parallel mode maps them to mesh axes.
@@ -20,10 +23,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmoe.config import Config, ConfigError, MeshConfig, check_expert_split
+from jaxmoe.config import (MESH_AXES, Config, ConfigError, MeshConfig, check_context_split,
+                           check_expert_split)
 
-AXES = ("data", "stage", "expert")
+AXES = MESH_AXES
 BATCH_AXES = ("data", "expert")
+# the axes whose devices hold different tokens: a per-token statistic is totalled over them
+TOKEN_AXES = ("data", "context", "expert")
 
 _DDP = {
     "layers": "stage",
@@ -41,7 +47,7 @@ def mesh_shape(cfg: MeshConfig, num_devices: int, num_processes: int = 1) -> dic
     """Resolves -1 and checks the product against the devices present."""
     present = (f"{num_devices} are present" if num_processes == 1 else
                f"the {num_processes} processes hold {num_devices} together")
-    shape = {"data": cfg.data, "stage": cfg.stage, "expert": cfg.expert}
+    shape = {a: getattr(cfg, a) for a in AXES}
     known = math.prod(v for v in shape.values() if v != -1)
     for axis, v in shape.items():
         if v == -1:
@@ -50,10 +56,14 @@ def mesh_shape(cfg: MeshConfig, num_devices: int, num_processes: int = 1) -> dic
                                   f"with the other axes using {known}")
             shape[axis] = num_devices // known
     if math.prod(shape.values()) != num_devices:
-        raise ConfigError(f"mesh: data={shape['data']} x stage={shape['stage']} x "
-                          f"expert={shape['expert']} = {math.prod(shape.values())} devices, "
+        raise ConfigError(f"mesh: {describe(shape)} = {math.prod(shape.values())} devices, "
                           f"but {present}")
     return shape
+
+
+def describe(shape) -> str:
+    """"data=2 x stage=1 x expert=4": a mesh's shape, `context` named where it splits."""
+    return " x ".join(f"{a}={shape[a]}" for a in AXES if a != "context" or shape[a] != 1)
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
@@ -61,7 +71,7 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     try:
         shape = mesh_shape(cfg, len(devices), len({d.process_index for d in devices}))
     except ConfigError as e:
-        wanted = math.prod(max(v, 1) for v in (cfg.data, cfg.stage, cfg.expert))
+        wanted = math.prod(max(getattr(cfg, a), 1) for a in AXES)
         if devices[0].platform == "cpu" and wanted > len(devices):
             raise ConfigError(f"{e} (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count="
                               f"{wanted} set before JAX starts gives {wanted} devices)") from None
@@ -70,15 +80,15 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
 
 
 def device_grid(shape: dict[str, int], devices: list) -> np.ndarray:
-    """Devices host by host, reshaped to (data, stage, expert).
+    """Devices host by host, reshaped to (data, stage, context, expert).
 
-    With `data` outermost, each host's devices fill whole stage x expert groups
-    when their count is a multiple of the group's; a group larger than a host
-    spans whole adjacent hosts (its all-to-all then crosses the network).
+    With `data` outermost, each host's devices fill whole stage x context x expert
+    groups when their count is a multiple of the group's; a group larger than a
+    host spans whole adjacent hosts (its collectives then cross the network).
     """
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     per_process = Counter(d.process_index for d in devices)
-    group = shape["stage"] * shape["expert"]
+    group = shape["stage"] * shape["context"] * shape["expert"]
     if len(per_process) > 1:
         counts = sorted(set(per_process.values()))
         if len(counts) > 1:
@@ -101,9 +111,13 @@ def check_divisibility(cfg: Config, mesh: Mesh) -> None:
         raise ConfigError(f"train.batch_size: {cfg.train.batch_size} sequences in "
                           f"{cfg.train.accumulation_steps} (accumulation) x "
                           f"{cfg.pipeline.stage_microbatches} (pipeline) "
-                          f"micro-batches cannot be split over data x expert = {n_batch} devices")
+                          f"micro-batches cannot be split over data x expert = {n_batch} devices"
+                          + (" (mesh.context splits each sequence over devices instead)"
+                             if per_micro < n_batch else ""))
     if cfg.num_moe_layers:
         check_expert_split(cfg.moe.num_experts, mesh.shape["expert"])
+    if axis_size(mesh, "context") > 1:
+        check_context_split(cfg, axis_size(mesh, "context"))
     S, W = mesh.shape["stage"], cfg.pipeline.virtual_stages
     if S > 1 and cfg.num_moe_layers < S * W:  # mesh.stage: -1 resolves only here
         raise ConfigError(f"mesh.stage: {cfg.num_moe_layers} MoE layers cannot fill {S} stages "
@@ -111,6 +125,11 @@ def check_divisibility(cfg: Config, mesh: Mesh) -> None:
     if cfg.mesh.parallelism == "fsdp" and cfg.model.d_model % mesh.shape["data"]:
         raise ConfigError(f"model.d_model: {cfg.model.d_model} cannot be split over "
                           f"mesh.data={mesh.shape['data']} for fsdp")
+
+
+def axis_size(mesh: Mesh, axis: str) -> int:
+    """The size of a mesh axis; 1 for an axis a caller's own mesh does not have."""
+    return mesh.shape.get(axis, 1)
 
 
 def logical_spec(names: tuple[str | None, ...], rules: dict[str, str]) -> P:
@@ -142,7 +161,7 @@ def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
     """
     spec = tuple(spec) + (None,) * (len(shape) - len(spec))
     used = {a for s in spec for a in spec_axes(s)}
-    replica = tuple(a for a in ("data", "expert") if a not in used and mesh.shape[a] > 1)
+    replica = tuple(a for a in TOKEN_AXES if a not in used and axis_size(mesh, a) > 1)
     if not replica:
         return P(*spec)
     n = math.prod(mesh.shape[a] for a in replica)

@@ -29,9 +29,9 @@ from jaxmoe.model.transformer import Transformer, in_moe_stack
 from jaxmoe.ops.vma import vary, varying_axes
 from jaxmoe.optim import (learning_rate_schedule, make_optimizer, param_names,
                           unmatched_patterns, updates_are_elementwise)
-from jaxmoe.parallel import ddp
+from jaxmoe.parallel import context, ddp
 from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
-from jaxmoe.sharding import BATCH_AXES
+from jaxmoe.sharding import BATCH_AXES, TOKEN_AXES
 
 
 class TrainState(NamedTuple):
@@ -226,10 +226,10 @@ class AutoProgram:
     def start(self, step_key, batch_BxL1):
         return step_key, self.own_rows(batch_BxL1)
 
-    def own_rows(self, batch_BxL1):
-        return batch_BxL1
+    def own_rows(self, batch_BxN, extra: int = 1):
+        return batch_BxN
 
-    def per_row(self, x_B):
+    def per_row(self, x_B, every: bool = False):
         return x_B
 
     def working(self, params):
@@ -269,7 +269,9 @@ class DeviceProgram:
         self.cfg, self.layout, self.mesh = cfg, layout, layout.mesh
         self.plans = ddp.reductions(use_specs, shard_specs, self.mesh)
         self.sharded_master = _sharded_master(cfg)
-        self.n_batch = self.mesh.shape["data"] * self.mesh.shape["expert"]
+        self.context = sharding.axis_size(self.mesh, "context")
+        # devices holding different tokens: what the losses and gradients average over
+        self.n_shards = self.mesh.shape["data"] * self.mesh.shape["expert"] * self.context
         self.deferred = jax.tree_util.tree_map_with_path(self._defers, self.plans)
 
     def _defers(self, path, r: ddp.Reduction) -> bool:
@@ -282,22 +284,30 @@ class DeviceProgram:
                 and in_moe_stack(path) and self.sharded_master
                 and cfg.train.accumulation_steps == 1
                 and cfg.train.grad_reduce_dtype == cfg.model.compute_dtype
-                and bool(r.scatter_axes) and not r.sum_axes and r.dim >= 2)
+                and bool(r.scatter_axes) and r.dim >= 2
+                and all(self.mesh.shape[a] == 1 for a in r.sum_axes))
 
     def start(self, step_key, rows_bxL1):
         # own router jitter
-        key = jax.random.fold_in(step_key, jax.lax.axis_index(BATCH_AXES))
+        key = jax.random.fold_in(step_key, jax.lax.axis_index(TOKEN_AXES))
         return key, self.own_rows(rows_bxL1)
 
-    def own_rows(self, rows_bx):
-        # rows, like the weights, vary over every axis (stage included), so no use of
-        # a weight implies a reduction of its gradient
-        return vary(rows_bx, ("stage",))
+    def own_rows(self, rows_bxN, extra: int = 1):
+        """This device's part of its rows: under `context` its chunk of their positions
+        (and `extra` after it: tokens hold one more than their inputs). Rows, like the
+        weights, vary over every axis (stage included), so that no use of a weight
+        implies a reduction of its gradient."""
+        if self.context > 1:
+            rows_bxN = context.own_chunk(rows_bxN, (rows_bxN.shape[1] - extra) // self.context,
+                                         extra)
+        return vary(rows_bxN, ("stage", "context"))
 
-    def per_row(self, x_b):
+    def per_row(self, x_b, every: bool = False):
         """A per-row value from the stage that holds the model's output (`output_share`
-        zeroed it elsewhere)."""
-        return jax.lax.psum(x_b, "stage")
+        zeroed it elsewhere), over the row's chunks: their sum, or (`every`, for 0/1
+        flags) whether every chunk's is 1."""
+        x_b = jax.lax.psum(x_b, "stage")
+        return jax.lax.pmin(x_b, "context") if every else jax.lax.psum(x_b, "context")
 
     def working(self, params):
         """Cast, then (ZeRO-1 bf16 masters) gathered, then per device: made once a step;
@@ -312,7 +322,7 @@ class DeviceProgram:
         return jax.tree.map(place, working, self.plans, self.deferred)
 
     def reduce(self, grads):
-        scale = 1.0 / (self.n_batch * self.cfg.train.accumulation_steps)
+        scale = 1.0 / (self.n_shards * self.cfg.train.accumulation_steps)
         grads = _cast_matrices(grads, self.cfg.train.grad_reduce_dtype)  # float32: no-op
 
         def reduced(r, deferred, g):  # a deferred shard's gradient arrives reduced
@@ -325,8 +335,8 @@ class DeviceProgram:
         # over every axis: stages hold disjoint layers (zeros elsewhere) and the
         # last stage's loss (`DeviceLayout.output_share`)
         total = lambda v: ddp.psum_everywhere(v, self.mesh.axis_names)  # noqa: E731
-        aux = {k: total(v) / (self.n_batch if k in MEAN_STATS else 1) for k, v in aux.items()}
-        return total(loss) / self.n_batch, total(ce) / self.n_batch, aux
+        aux = {k: total(v) / (self.n_shards if k in MEAN_STATS else 1) for k, v in aux.items()}
+        return total(loss) / self.n_shards, total(ce) / self.n_shards, aux
 
     def norm(self, grads):
         return ddp.global_norm(grads, self.plans, self.mesh)
@@ -339,7 +349,7 @@ class DeviceProgram:
                                                                self.plans)
 
     def tokens(self, rows_bxL1) -> int:
-        return self.n_batch * rows_bxL1.shape[0] * (rows_bxL1.shape[1] - 1)
+        return self.n_shards * rows_bxL1.shape[0] * (rows_bxL1.shape[1] - 1)
 
 
 def make_train_step(cfg: Config, program, loss_fn: Callable, tx, lr_at) -> Callable:
@@ -382,8 +392,8 @@ def make_score_step(program, score_fn: Callable) -> Callable:
 
     def score_step(params, buffers, batch_BxL1: jax.Array, mask_BxL: jax.Array):
         logprob_B, greedy_B = score_fn(program.working(params), buffers,
-                                       program.own_rows(batch_BxL1), program.own_rows(mask_BxL))
-        return {"logprob": program.per_row(logprob_B), "greedy": program.per_row(greedy_B)}
+                                       program.own_rows(batch_BxL1), program.own_rows(mask_BxL, 0))
+        return {"logprob": program.per_row(logprob_B), "greedy": program.per_row(greedy_B, every=True)}
 
     return score_step
 

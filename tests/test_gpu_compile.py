@@ -319,6 +319,39 @@ def test_two_hosts_keep_the_expert_exchange_on_each_host():
     assert _cross_host_exchanges(program) > 0
 
 
+# ------------------------------------------------------------------ context parallelism
+
+
+def _context_exchanges(program: Program) -> list:
+    """Attention's all-to-alls over `context`: among the devices of one expert rank
+    (mesh order data, stage, context, expert: device i is context i // R, rank i % R)."""
+    ranks = program.mesh.shape["expert"]
+    return [c for c in collectives(program) if c.kind == "all-to-all" and c.sent_bytes > 0
+            and all(len({i % ranks for i in group}) == 1 for group in c.groups)]
+
+
+@pytest.mark.parametrize("target", ["h100", "b300"])
+def test_split_sequences_trade_heads_and_run_cudnn_attention(target):
+    """context 2 x expert 4: the attention's four exchanges per layer and pass (q, k, v
+    there, the output back) within each context pair, cuDNN's fused attention forward
+    and backward, and every gradient still reduced once outside the loops."""
+    program, cfg = _compiled(target, mesh__context=2, mesh__expert=4)
+    exchanges = _context_exchanges(program)
+    assert exchanges and all(c.group_size == 2 for c in exchanges)
+    assert {c.groups for c in exchanges} == {((0, 4), (1, 5), (2, 6), (3, 7))}
+    # forward, recompute (full remat) and backward: 3 x 4 per layer per micro-batch
+    A, Lm = cfg.train.accumulation_steps, cfg.num_moe_layers
+    assert sum(c.runs for c in exchanges) == 12 * A * Lm
+    kernels = program_flops(program).kernels["attention"]
+    assert kernels.get("__cudnn$fmhaSoftmax") and kernels.get("__cudnn$fmhaSoftmaxBackward")
+    assert _score_buffers(program, cfg.train.seq_len) == []
+    reductions = _reductions(program)
+    assert reductions and not any(in_loop for *_, in_loop in reductions)
+    # companion: without the split there are no such exchanges (the expert exchange
+    # runs within an expert group, across ranks)
+    assert _context_exchanges(_compiled(target, mesh__expert=8)[0]) == []
+
+
 # ------------------------------------------------------------------ the shipped GPU configs
 
 TOY_WIDTHS = ["model.d_model=128", "model.num_heads=4", "model.num_kv_heads=2",

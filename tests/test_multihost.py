@@ -101,24 +101,29 @@ def _hosts(processes, per_process):
 
 
 def test_device_grid_keeps_expert_groups_in_one_host():
-    grid = device_grid({"data": 2, "stage": 1, "expert": 4}, _hosts(2, 4))
+    grid = device_grid({"data": 2, "stage": 1, "context": 1, "expert": 4}, _hosts(2, 4))
     hosts = np.vectorize(lambda d: d.process_index)(grid)
-    assert hosts.tolist() == [[[0] * 4], [[1] * 4]]  # each data replica is one host's devices
-    assert [d.id for d in grid[0, 0]] == [0, 1, 2, 3]
-    grid = device_grid({"data": 2, "stage": 2, "expert": 2}, _hosts(4, 2))
+    assert hosts.tolist() == [[[[0] * 4]], [[[1] * 4]]]  # each data replica is one host's
+    assert [d.id for d in grid[0, 0, 0]] == [0, 1, 2, 3]
+    grid = device_grid({"data": 2, "stage": 2, "context": 1, "expert": 2}, _hosts(4, 2))
     assert np.vectorize(lambda d: d.process_index)(grid).reshape(4, 2).tolist() == \
         [[0, 0], [1, 1], [2, 2], [3, 3]]
     # an expert group bigger than a host spans whole adjacent hosts
-    grid = device_grid({"data": 2, "stage": 1, "expert": 8}, _hosts(4, 4))
-    assert np.vectorize(lambda d: d.process_index)(grid)[:, 0].tolist() == \
+    grid = device_grid({"data": 2, "stage": 1, "context": 1, "expert": 8}, _hosts(4, 4))
+    assert np.vectorize(lambda d: d.process_index)(grid)[:, 0, 0].tolist() == \
         [[0] * 4 + [1] * 4, [2] * 4 + [3] * 4]
+    # a context x expert group of a host's size stays on it, expert groups innermost
+    grid = device_grid({"data": 2, "stage": 1, "context": 2, "expert": 2}, _hosts(2, 4))
+    assert np.vectorize(lambda d: d.process_index)(grid)[:, 0].tolist() == \
+        [[[0, 0], [0, 0]], [[1, 1], [1, 1]]]
+    assert [[d.id for d in ranks] for ranks in grid[0, 0]] == [[0, 1], [2, 3]]
 
 
 def test_device_grid_errors():
     with pytest.raises(ConfigError, match="stage x expert = 4 devices neither divides the 6"):
-        device_grid({"data": 3, "stage": 1, "expert": 4}, _hosts(2, 6))
+        device_grid({"data": 3, "stage": 1, "context": 1, "expert": 4}, _hosts(2, 6))
     with pytest.raises(ConfigError, match=r"different numbers of devices \[3, 5\]"):
-        device_grid({"data": 1, "stage": 1, "expert": 8},
+        device_grid({"data": 1, "stage": 1, "context": 1, "expert": 8},
                     _hosts(1, 3) + [Device(1000 + i, 1) for i in range(5)])
     with pytest.raises(ConfigError, match="but the 2 processes hold 8 together"):
         mesh_shape(MeshConfig(data=4, expert=4), 8, 2)

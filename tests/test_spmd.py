@@ -402,7 +402,9 @@ def test_bad_parallel_config(mesh, moe, train, key):
 
 def test_mesh_minus_one_fills():
     mesh = make_mesh(MeshConfig(data=-1, expert=4))
-    assert dict(mesh.shape) == {"data": 2, "stage": 1, "expert": 4}
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "context": 1, "expert": 4}
+    mesh = make_mesh(MeshConfig(data=2, context=-1))
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "context": 4, "expert": 1}
 
 
 def test_bf16_compute_keeps_sharded_fp32_master(reference):

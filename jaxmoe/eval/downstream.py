@@ -16,10 +16,13 @@ acc_norm, ..., and their standard errors) in metrics.jsonl and the sinks.
 
 from __future__ import annotations
 
+import math
+
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.eval.harness import (EvalError, JaxmoeLM, Scorer, encode_request, import_lm_eval,
                                  load_tasks, quiet, request_row, row_lengths, set_fewshot)
 from jaxmoe.data.tokenizer import Tokenizer
+from jaxmoe.sharding import axis_size
 
 PREFIX = "downstream"
 STDERR_DRAWS = 100  # bootstrap draws for metrics with no closed-form standard error
@@ -52,8 +55,9 @@ class Downstream:
         # one compiled shape for every task: the shortest row length that holds their
         # longest request, as many rows as keep the dropless buffers a training step's size
         longest, requests = self._rows(cfg.train.seq_len)
-        L = next(n for n in row_lengths(cfg.train.seq_len, cfg.model.attention_block)
-                 if n >= longest)
+        # (under mesh.context a row's positions split evenly over the devices)
+        multiple = math.lcm(cfg.model.attention_block or 1, axis_size(steps.mesh, "context"))
+        L = next(n for n in row_lengths(cfg.train.seq_len, multiple) if n >= longest)
         self.scorer = Scorer(steps, [L], scoring_rows(cfg, steps.mesh, L, requests))
 
     def _rows(self, seq_len: int) -> tuple[int, int]:

@@ -161,8 +161,8 @@ def request_row(context_ids, continuation_ids, max_length: int) -> tuple[list[in
 
 def row_lengths(max_length: int, block: int = 0) -> list[int]:
     """The row lengths that compile, shortest first: max_length, halved while it
-    halves evenly, stays at least MIN_ROW and (blockwise attention) a multiple of
-    the attention block."""
+    halves evenly, stays at least MIN_ROW and a multiple of `block` (blockwise
+    attention's block; with `mesh.context`, a multiple of the split too)."""
     lengths = [max_length]
     while lengths[-1] % 2 == 0 and (half := lengths[-1] // 2) >= MIN_ROW \
             and half % (block or 1) == 0:
@@ -385,7 +385,7 @@ def eval_config(saved: Config, batch_size: int, max_length: int, overrides=()) -
 
     local = ["moe.dispatcher=grouped"] if saved.num_moe_layers else []
     cfg = override_config(saved, [
-        "mesh.data=-1", "mesh.expert=1", "mesh.stage=1", "mesh.zero1=false",
+        "mesh.data=-1", "mesh.expert=1", "mesh.stage=1", "mesh.context=1", "mesh.zero1=false",
         "pipeline.virtual_stages=1",
         "pipeline.stage_microbatches=1", "train.accumulation_steps=1", "train.remat=none",
         f"train.seq_len={max_length}", *local, *overrides])

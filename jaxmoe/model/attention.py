@@ -9,9 +9,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import ModelConfig
-from jaxmoe.kernels import Kernels
 from jaxmoe.model.blockwise_attention import blockwise_attention
 from jaxmoe.model.layers import param, rms_norm, rope
+from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
 from jaxmoe.model.remat import ATTENTION_OUT, ATTENTION_QKV
 
 
@@ -53,14 +53,19 @@ class Attention(nnx.Module):
         return jnp.einsum("blhk,hkd->bld", o_BxLxHxHd, self.w_o[...].astype(o_BxLxHxHd.dtype))
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
-                 kernels: Kernels | None = None) -> jax.Array:
-        """kernels: the target's (`Kernels.attention` picks cuDNN's, XLA's or blockwise);
-        None: the default device's."""
+                 layout: LocalLayout = LOCAL_LAYOUT) -> jax.Array:
+        """layout: where the call runs; its kernels pick the attention (cuDNN's, XLA's
+        or blockwise: `Kernels.attention`), and it reaches the rest of each sequence
+        where the call holds a chunk of positions (`LocalLayout.attend`)."""
+        impl = layout.kernels.attention(self.cfg)
+
+        def causal(q, k, v):
+            if impl == "blockwise":
+                return blockwise_attention(q, k, v, self.cfg.attention_block)
+            # both handle GQA (H a multiple of G)
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
         with jax.named_scope("attention"):
             q, k, v = self.qkv(x_BxLxD, positions_BxL)
-            impl = (kernels or Kernels.default()).attention(self.cfg)
-            if impl == "blockwise":
-                o = blockwise_attention(q, k, v, self.cfg.attention_block)
-            else:  # both handle GQA (H a multiple of G)
-                o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+            o = layout.attend(causal, q, k, v)
             return self.out(checkpoint_name(o, ATTENTION_OUT))

@@ -1,12 +1,14 @@
 """What the model asks of where it runs, answered for one device without a mesh.
 
-The model never sees a mesh: every call takes a layout and asks it six things (which
-kernels its devices run, pin activations to the batch split, run an MoE layer's
-dispatch, total a per-shard router statistic over the batch, run the stacked MoE
-layers, and weigh what it computed from its output). `LocalLayout` is the answer on
-one device: the default device's kernels, the local dispatchers, the call's tokens
-as the whole batch, the MoE stack as one scan in model order. The layouts of a mesh
-(`jaxmoe.parallel.layout`) extend it.
+The model never sees a mesh: every call takes a layout and asks it seven things
+(which kernels its devices run, which positions its tokens hold and how attention
+reaches the rest of their sequence, pin activations to the batch split, run an MoE
+layer's dispatch, total a per-shard router statistic over the batch or the
+sequence, run the stacked MoE layers, and weigh what it computed from its output).
+`LocalLayout` is the answer on one device: the default device's kernels, whole
+sequences, the local dispatchers, the call's tokens as the whole batch, the MoE
+stack as one scan in model order. The layouts of a mesh (`jaxmoe.parallel.layout`)
+extend it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.kernels import Kernels
@@ -42,7 +45,21 @@ class LocalLayout:
     def dispatch(self, x_TxD, routing, weights, cfg: MoEConfig) -> Dispatched:
         return self.dispatcher(cfg)(x_TxD, routing, weights, cfg, self.kernels)
 
+    def positions(self, batch: int, length: int) -> jax.Array:
+        """int32 [batch, length]: the positions in their sequences of the call's tokens
+        (here whole sequences: 0 .. length - 1)."""
+        return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+    def attend(self, attention, q_BxLxHxHd, k_BxLxGxHd, v_BxLxGxHd) -> jax.Array:
+        """attention(q, k, v), causal over whole sequences, for this call's positions."""
+        return attention(q_BxLxHxHd, k_BxLxGxHd, v_BxLxGxHd)
+
     def constrain_batch(self, x: jax.Array) -> jax.Array:
+        return x
+
+    def sequence_total(self, x: jax.Array) -> jax.Array:
+        """A statistic summed over the call's tokens of each sequence, over the whole
+        sequences (they are whole here)."""
         return x
 
     def batch_total(self, x: jax.Array) -> jax.Array:

@@ -59,10 +59,12 @@ class MoE(nnx.Module):
         return y_TxD.reshape(B, L, D).astype(x_BxLxD.dtype), aux
 
     def _balance_loss(self, routing, batch: int, layout: LocalLayout) -> jax.Array:
+        # a sequence split over devices (`mesh.context`) is still one sequence, and a
+        # device's batch shard is its rows' every position
         scope = self.cfg.balance_scope
         if scope == "sequence":
-            return balance_loss(routing, batch)
+            return balance_loss(routing, batch, layout.sequence_total)
         if scope == "microbatch":  # one group per device's batch shard
-            return balance_loss(routing, layout.batch_shards)
+            return balance_loss(routing, layout.batch_shards, layout.sequence_total)
         # the whole batch, whichever devices hold it
         return balance_loss(routing, 1, layout.batch_total)

@@ -50,7 +50,7 @@ class Block(nnx.Module):
     def __call__(self, x_BxLxD, positions_BxL, layout: LocalLayout = LOCAL_LAYOUT,
                  jitter_key=None):
         x_BxLxD = layout.constrain_batch(x_BxLxD)
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, layout.kernels)
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, layout)
         x_BxLxD, aux = self.feed_forward(x_BxLxD, layout, jitter_key)
         return layout.constrain_batch(x_BxLxD), aux
 
@@ -202,7 +202,7 @@ class Transformer(nnx.Module):
         """The last block's output [B, L, D] (before the final norm) and aux."""
         m = self.cfg.model
         B, L = tokens_BxL.shape
-        positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+        positions_BxL = layout.positions(B, L)
         with jax.named_scope("embed"):
             x = self.embed[...][tokens_BxL].astype(jnp.dtype(m.compute_dtype))
         x = layout.constrain_batch(x)

@@ -4,14 +4,17 @@ The training step asks a layout where every tensor lives (the rules table of
 `mesh.parallelism`, ZeRO-1, the batch split, and, with pipeline stages, the MoE
 stack held as [W, S, per, ...] chunks: `StageStack`, model order when flattened)
 and checks the config against the mesh through it. The model never sees the
-mesh: it asks its layout six things (`jaxmoe.model.layout`, whose `LocalLayout`
+mesh: it asks its layout seven things (`jaxmoe.model.layout`, whose `LocalLayout`
 answers them for one device and which the layouts here extend): which kernels its
 devices run (`kernels`: attention, MXFP8, the ragged exchange, read from the mesh's
-devices, not the host's), pin activations to the batch split, run an MoE layer's
+devices, not the host's), which positions its tokens hold and how attention reaches
+the rest of their sequences (a chunk of each under `context`:
+`jaxmoe.parallel.context`), pin activations to the batch split, run an MoE layer's
 dispatch (the expert-parallel dispatchers join the local ones here), total a
-per-shard router statistic over the batch, run the stacked MoE layers (a scan, or
-a pipeline over `stage`), and weigh what it computed from its output, the loss or
-a row's score (with pipeline stages, only the last stage's output counts).
+per-shard router statistic over the batch or the sequence, run the stacked MoE
+layers (a scan, or a pipeline over `stage`), and weigh what it computed from its
+output, the loss or a row's score (with pipeline stages, only the last stage's
+output counts).
 
 - `GlobalLayout`: the model sees global arrays and XLA partitions the program
   (fsdp, and the pure-function API with `mesh=`). Expert-parallel dispatchers
@@ -37,9 +40,9 @@ from jaxmoe.model.dispatch import LOCAL, Dispatched
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
 from jaxmoe.model.router import Routing
 from jaxmoe.model.transformer import in_moe_stack, map_moe_stack
-from jaxmoe.parallel import ep_dispatch
+from jaxmoe.parallel import context, ep_dispatch
 from jaxmoe.parallel.pipeline import StageStack, device_pipeline, pipeline
-from jaxmoe.sharding import BATCH_AXES
+from jaxmoe.sharding import BATCH_AXES, TOKEN_AXES, axis_size
 
 
 def dispatch_on_mesh(x_TxD, routing, weights, cfg: MoEConfig, mesh: Mesh | None) -> Dispatched:
@@ -173,12 +176,27 @@ class DeviceLayout(GlobalLayout):
                               f"each device, but mesh.expert={mesh.shape['expert']} splits "
                               "them; use alltoall, allgather or ragged")
         self.batch_shards = 1  # a device's rows are one shard
+        self.context = axis_size(mesh, context.AXIS)  # devices each sequence is split over
+
+    def positions(self, batch: int, length: int) -> jax.Array:
+        """This device's chunk of positions under `context` (whole sequences without)."""
+        positions_BxL = super().positions(batch, length)
+        return positions_BxL + context.chunk_offset(length) if self.context > 1 else positions_BxL
+
+    def attend(self, attention, q_BxLxHxHd, k_BxLxGxHd, v_BxLxGxHd) -> jax.Array:
+        if self.context == 1:
+            return attention(q_BxLxHxHd, k_BxLxGxHd, v_BxLxGxHd)
+        return context.attend_across(attention, q_BxLxHxHd, k_BxLxGxHd, v_BxLxGxHd,
+                                     self.context)
 
     def constrain_batch(self, x: jax.Array) -> jax.Array:
         return x
 
+    def sequence_total(self, x: jax.Array) -> jax.Array:
+        return lax.psum(x, context.AXIS) if self.context > 1 else x
+
     def batch_total(self, x: jax.Array) -> jax.Array:
-        return lax.psum(x, BATCH_AXES)
+        return lax.psum(x, TOKEN_AXES if self.context > 1 else BATCH_AXES)
 
     def dispatch(self, x_TxD, routing: Routing, weights, cfg: MoEConfig) -> Dispatched:
         """Already inside the step's `shard_map`: the per-device dispatcher itself."""

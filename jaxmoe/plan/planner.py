@@ -29,6 +29,7 @@ import tempfile
 
 from jaxmoe.fake_devices import cpu_devices_env
 from jaxmoe.plan.targets import EXTRA, TARGETS, gpu_compiler_available
+from jaxmoe.config import MESH_AXES as AXES
 
 # expert GEMM work relative to forward: the backward pass does two GEMMs per forward one
 _PASS_WEIGHT = {"forward": 1, "backward": 2, "recompute": 1}
@@ -40,8 +41,9 @@ def _parse_mesh(text: str | None) -> list[str]:
     out = []
     for part in text.split(","):
         axis, _, value = part.partition("=")
-        if axis.strip() not in ("data", "expert", "stage") or not value.strip().lstrip("-").isdigit():
-            raise SystemExit(f"error: --mesh takes data=N,expert=N,stage=N; got {part!r}")
+        if axis.strip() not in AXES or not value.strip().lstrip("-").isdigit():
+            raise SystemExit(f"error: --mesh takes data=N,stage=N,context=N,expert=N; "
+                             f"got {part!r}")
         out.append(f"mesh.{axis.strip()}={int(value)}")
     return out
 
@@ -68,8 +70,7 @@ def routed_expert_flops(cfg) -> float:
     if not cfg.num_moe_layers:
         return 0.0
     m, moe, t = cfg.model, cfg.moe, cfg.train
-    batch_devices = cfg.mesh.data * cfg.mesh.expert
-    copies = t.batch_size * t.seq_len // batch_devices * moe.top_k
+    copies = t.batch_size * t.seq_len // cfg.mesh.token_shards * moe.top_k
     layers = cfg.num_moe_layers / max(cfg.mesh.stage, 1)
     return 6.0 * m.d_model * moe.expert_hidden * copies * layers
 
@@ -109,7 +110,7 @@ def compile_train_step(cfg, target: str | None = None, hosts: int | None = None,
 
     devices = None
     if target is not None:
-        devices = virtual_devices(target, cfg.mesh.data * cfg.mesh.expert * cfg.mesh.stage, hosts)
+        devices = virtual_devices(target, cfg.mesh.devices, hosts)
     steps = build_steps(cfg, make_mesh(cfg.mesh, devices))
     abstract = checkpoint.abstract_target(steps)
     t = cfg.train
@@ -212,7 +213,7 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     if target == "cpu":
         stand_ins, notes = _cpu_stand_ins(cfg)
         cfg = load_config(config_path, overrides + stand_ins)
-    devices = cfg.mesh.data * cfg.mesh.expert * cfg.mesh.stage
+    devices = cfg.mesh.devices
     print(f"compiling the train step for {devices} "
           + ("fake CPU devices" if target == "cpu" else f"virtual {target.upper()}s (XLA:GPU)")
           + " ...", flush=True)
@@ -447,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    sizes = [cfg.mesh.data, cfg.mesh.expert, cfg.mesh.stage]
+    sizes = [getattr(cfg.mesh, a) for a in AXES]
     if -1 in sizes:
         print("error: mesh: the planner needs every mesh axis given (no -1); use --mesh",
               file=sys.stderr)
