@@ -46,14 +46,50 @@ class ModelConfig:
     # score matrix elsewhere); N: blocks of N queries x N keys with an online
     # softmax, so memory grows with L * N (long sequences without a fused kernel)
     attention_block: int = 0
+    # "gqa": grouped-query attention (num_heads queries over num_kv_heads keys and
+    # values of head_dim). "mla": DeepSeek-V2/V3's multi-head latent attention
+    # (jaxmoe/model/mla.py): queries through a q_lora_rank bottleneck (0: one full
+    # projection), keys and values expanded from one kv_lora_rank latent per token;
+    # each head's query and key hold qk_nope_head_dim dimensions without RoPE and
+    # qk_rope_head_dim with it (the key's rotated part shared by all heads), its
+    # value v_head_dim; num_kv_heads equals num_heads, head_dim and qk_norm unused
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # RoPE rotates a head's dimension pairs (i, i + R/2) (Llama's rotate-half) or, as
+    # DeepSeek's checkpoints lay them out, (2i, 2i + 1) (transformers' rope_interleave)
+    rope_interleave: bool = False
+    # YaRN context extension of RoPE (transformers' rope_parameters of type yarn);
+    # yarn_factor 0: plain RoPE
+    yarn_factor: float = 0.0
+    yarn_original_max_positions: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
 
     @property
     def head_size(self) -> int:
+        """A query's and key's size per head (MLA: the part without RoPE and the part
+        with it)."""
+        if self.attention == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim or self.d_model // self.num_heads
 
     @property
+    def value_size(self) -> int:
+        """A value's size per head."""
+        return self.v_head_dim if self.attention == "mla" else self.head_size
+
+    @property
     def rotary_dims(self) -> int:
-        """How many of a head's dimensions RoPE rotates (the first ones)."""
+        """How many of a head's dimensions RoPE rotates (the first ones; MLA: its
+        qk_rope_head_dim, the last ones)."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
         return int(self.head_size * self.rope_fraction)
 
 
@@ -349,7 +385,23 @@ def validate(c: Config) -> None:
     if not m.head_dim:
         _require(m.d_model % m.num_heads == 0, "model.d_model",
                  f"{m.d_model} is not divisible by num_heads={m.num_heads} (or set model.head_dim)")
-    _require(m.head_size % 2 == 0, "model.head_dim", f"RoPE needs an even head size, got {m.head_size}")
+    _require(m.attention == "mla" or m.head_size % 2 == 0, "model.head_dim",
+             f"RoPE needs an even head size, got {m.head_size}")
+    if m.attention == "mla":
+        _require(m.kv_lora_rank > 0, "model.kv_lora_rank", "mla needs a latent of at least 1")
+        _require(m.qk_rope_head_dim > 0 and m.qk_rope_head_dim % 2 == 0,
+                 "model.qk_rope_head_dim", f"mla needs an even RoPE part, got {m.qk_rope_head_dim}")
+        _require(m.v_head_dim > 0, "model.v_head_dim", "mla needs values of at least 1")
+        _require(m.num_kv_heads == m.num_heads, "model.num_kv_heads",
+                 f"mla gives each of the {m.num_heads} heads its own key and value; set "
+                 f"num_kv_heads: {m.num_heads}")
+        _require(m.qk_norm == "none", "model.qk_norm", "mla normalises its latents, not q and k")
+        _require(m.rope_fraction == 1.0, "model.rope_fraction",
+                 "mla rotates qk_rope_head_dim of each head")
+    if m.yarn_factor:
+        _require(m.yarn_factor > 1 and m.yarn_original_max_positions > 0, "model.yarn_factor",
+                 f"YaRN stretches RoPE by a factor above 1 of yarn_original_max_positions "
+                 f"(> 0); got {m.yarn_factor} of {m.yarn_original_max_positions}")
     _require(0 < m.rope_fraction <= 1 and m.rotary_dims % 2 == 0 and m.rotary_dims > 0,
              "model.rope_fraction", f"{m.rope_fraction} of head size {m.head_size} rotates "
              f"{m.rotary_dims} dimensions; need an even number, at least 2, in (0, 1]")
@@ -642,7 +694,8 @@ def dropless(cfg: Config) -> Config:
 # Keys whose change alters parameter or optimizer-state shapes.
 SHAPE_KEYS = {
     "model": ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-              "mlp_hidden", "num_dense_layers", "qk_norm"),
+              "mlp_hidden", "num_dense_layers", "qk_norm", "attention", "q_lora_rank",
+              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
     "moe": ("num_experts", "expert_hidden", "shared_expert_hidden", "expert_bias"),
 }
 
@@ -659,7 +712,14 @@ def param_counts(c: Config) -> ParamCounts:
     m, moe = c.model, c.moe
     d, hd = m.d_model, m.head_size
     layer_norms = 2 * d + {"none": 0, "head": 2 * hd, "full": (m.num_heads + m.num_kv_heads) * hd}[m.qk_norm]
-    attn = d * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + layer_norms  # q, k, v, o + norms
+    if m.attention == "mla":
+        H, Rq, Rkv, Hv = m.num_heads, m.q_lora_rank, m.kv_lora_rank, m.v_head_dim
+        layer_norms += Rq + Rkv  # the latents' norms
+        q = (d * Rq + Rq * H * hd) if Rq else d * H * hd
+        attn = (q + d * (Rkv + m.qk_rope_head_dim) + Rkv * H * (m.qk_nope_head_dim + Hv)
+                + H * Hv * d + layer_norms)
+    else:
+        attn = d * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + layer_norms  # q, k, v, o
     dense_mlp = 3 * d * m.mlp_hidden
     shared = 3 * d * moe.shared_expert_hidden
     expert = 3 * d * moe.expert_hidden
@@ -683,5 +743,5 @@ def flops_per_token(c: Config) -> float:
     m = c.model
     counts = param_counts(c)
     matmul_params = counts.active - counts.embedding - counts.norm
-    attention = 12 * m.num_layers * m.num_heads * m.head_size * c.train.seq_len
+    attention = 6 * m.num_layers * m.num_heads * (m.head_size + m.value_size) * c.train.seq_len
     return 6.0 * matmul_params + attention

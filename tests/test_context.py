@@ -2,8 +2,6 @@
 and with `data`, `expert`, every expert-parallel dispatcher and pipeline stages) train
 as one device does; each check has a companion that breaks the split and is caught."""
 
-import math
-
 import chex
 import jax
 import numpy as np
@@ -13,10 +11,10 @@ from jaxmoe import checkpoint
 from jaxmoe.config import ConfigError, config_from_dict
 from jaxmoe.parallel import context
 from jaxmoe.parallel.layout import DeviceLayout
-from jaxmoe.sharding import AXES, make_mesh
+from jaxmoe.sharding import make_mesh
 from jaxmoe.step import build_steps
 
-from model_order import in_model_order
+from one_device import batch, first_step, matches
 
 BASE = {
     # 8 query heads over 2 K/V heads: context 2 splits both, 4 and 8 repeat K/V heads
@@ -29,10 +27,6 @@ BASE = {
     # no clip: the first step's first moment is exactly (1 - b1) x the gradient
     "optimizer": {"warmup_steps": 0, "learning_rate": 1e-2, "grad_clip": 0.0},
 }
-B1 = 0.9
-# (per EP rank: the reference has one rank, so its rank load is 1 whatever the split)
-LOADS = ("expert_load", "load_max_over_mean", "dead_experts",
-         "balance_loss_layer", "balance_cov", "dead_score_mass", "topk_margin", "z_loss")
 
 
 def _cfg(mesh, dispatcher="dense", **sections):
@@ -40,54 +34,9 @@ def _cfg(mesh, dispatcher="dense", **sections):
     return config_from_dict({**raw, "mesh": mesh, "moe": {**raw["moe"], "dispatcher": dispatcher}})
 
 
-def _batch(cfg):
-    return np.random.default_rng(0).integers(0, 256, (cfg.train.batch_size,
-                                                     cfg.train.seq_len + 1), dtype=np.int32)
-
-
-def _step(cfg):
-    """One step from the seed's parameters: (metrics, gradients in model order, the
-    held-out scores of the batch)."""
-    devices = jax.devices()[:math.prod(getattr(cfg.mesh, a) for a in AXES)]
-    steps = build_steps(cfg, make_mesh(cfg.mesh, devices))
-    state = steps.init(jax.random.PRNGKey(0))
-    batch = jax.device_put(_batch(cfg), steps.batch_sharding)
-    mask = jax.device_put(np.ones((cfg.train.batch_size, cfg.train.seq_len), bool),
-                          steps.batch_sharding)
-    scores = jax.device_get(steps.eval_step(state.params, state.buffers, batch, mask))
-    state, metrics = steps.train_step(state, batch)
-    grads = jax.tree.map(lambda m: m / (1 - B1), jax.device_get(state.opt_state.mu))
-    return (jax.device_get(metrics), in_model_order(grads, cfg), scores,
-            in_model_order(jax.device_get(state.buffers), cfg))
-
-
 @pytest.fixture(scope="module")
 def one_device():
-    return _step(_cfg({"data": 1}))
-
-
-def _grads_close(got, want):
-    """Reordered fp32 sums: a gradient sums the batch's 256 tokens' terms, and attention
-    sums over up to 32 positions, in another order when split; each sum is off by at
-    most ~n x 2^-24 of its terms' magnitude (n <= 256: 1.5e-5), which the tensor's
-    largest gradient bounds. A chunk attending to the wrong positions, or a missing
-    or doubled reduction, is off by far more (the companions)."""
-    def close(a, b):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))
-    jax.tree.map(close, got, want)
-
-
-def _matches(got, want):
-    (metrics, grads, scores, buffers), (want_metrics, want_grads, want_scores, want_buffers) = \
-        got, want
-    for k in ("loss", "ce", "grad_norm", "balance_loss"):
-        np.testing.assert_allclose(metrics[k], want_metrics[k], rtol=1e-5, err_msg=k)
-    # the load metrics: from integer counts (exact) and score sums (fp32, reordered)
-    for k in LOADS:
-        np.testing.assert_allclose(metrics[k], want_metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    np.testing.assert_allclose(scores["logprob"], want_scores["logprob"], rtol=1e-5)
-    chex.assert_trees_all_equal(buffers, want_buffers)  # bias nudges from the global counts
-    _grads_close(grads, want_grads)
+    return first_step(_cfg({"data": 1}))
 
 
 @pytest.mark.parametrize("mesh, dispatcher", [
@@ -100,15 +49,15 @@ def _matches(got, want):
     ({"data": 2, "context": 4}, "grouped"),
 ])
 def test_split_sequences_train_as_one_device(one_device, mesh, dispatcher):
-    _matches(_step(_cfg(mesh, dispatcher)), one_device)
+    matches(first_step(_cfg(mesh, dispatcher)), one_device)
 
 
 def test_split_sequences_through_pipeline_stages():
     # 4 MoE layers on 2 stages, 2 micro-batches; the reference is the same model
     pipeline = {"stage_microbatches": 2}
     model = {"num_layers": 5}
-    want = _step(_cfg({"data": 1}, model=model, pipeline=pipeline))
-    _matches(_step(_cfg({"data": 1, "stage": 2, "context": 2, "expert": 2}, "alltoall",
+    want = first_step(_cfg({"data": 1}, model=model, pipeline=pipeline))
+    matches(first_step(_cfg({"data": 1, "stage": 2, "context": 2, "expert": 2}, "alltoall",
                         model=model, pipeline=pipeline)), want)
 
 
@@ -117,8 +66,8 @@ def test_split_sequences_with_blockwise_attention_chunked_loss_and_slices():
     chunks cut each device's 8 positions; two accumulation slices."""
     sections = {"model": {"attention_block": 8},
                 "train": {"loss_chunk": 4, "accumulation_steps": 2}}
-    _matches(_step(_cfg({"data": 1, "context": 4}, "grouped", **sections)),
-             _step(_cfg({"data": 1}, **sections)))
+    matches(first_step(_cfg({"data": 1, "context": 4}, "grouped", **sections)),
+             first_step(_cfg({"data": 1}, **sections)))
 
 
 def test_a_chunk_off_by_one_position_is_caught(one_device, monkeypatch):
@@ -128,14 +77,14 @@ def test_a_chunk_off_by_one_position_is_caught(one_device, monkeypatch):
     monkeypatch.setattr(DeviceLayout, "positions", lambda self, b, n: shifted(self, b, n) + (
         jax.lax.axis_index("context") == 1))
     with pytest.raises(AssertionError):
-        _matches(_step(_cfg({"data": 1, "context": 2})), one_device)
+        matches(first_step(_cfg({"data": 1, "context": 2})), one_device)
 
 
 def test_skipping_the_other_chunks_keys_is_caught(one_device, monkeypatch):
     # each chunk attends to its own keys only: the K/V blocks of the others skipped
     monkeypatch.setattr(context, "attend_across", lambda attend, q, k, v, c: attend(q, k, v))
     with pytest.raises(AssertionError):
-        _matches(_step(_cfg({"data": 1, "context": 2})), one_device)
+        matches(first_step(_cfg({"data": 1, "context": 2})), one_device)
 
 
 def test_balance_scopes_count_a_split_sequence_once(one_device):
@@ -143,9 +92,9 @@ def test_balance_scopes_count_a_split_sequence_once(one_device):
     where the split's rows are one device's: the companion is the sequence scope of
     the same split, which differs (4 sequences per group, not 8)."""
     for scope in ("microbatch", "global"):
-        want = _step(_cfg({"data": 1}, moe={"balance_scope": scope}))
-        got = _step(_cfg({"data": 1, "context": 4}, moe={"balance_scope": scope}))
-        _matches(got, want)
+        want = first_step(_cfg({"data": 1}, moe={"balance_scope": scope}))
+        got = first_step(_cfg({"data": 1, "context": 4}, moe={"balance_scope": scope}))
+        matches(got, want)
     assert not np.allclose(one_device[0]["balance_loss"], want[0]["balance_loss"], rtol=1e-5)
 
 
@@ -172,13 +121,13 @@ def test_a_context_checkpoint_resumes_under_other_splits(tmp_path):
     cfg4 = _cfg({"data": 2, "context": 4}, "grouped")
     steps4 = build_steps(cfg4, make_mesh(cfg4.mesh))
     state = steps4.init(jax.random.PRNGKey(0))
-    batch = _batch(cfg4)
-    state, _ = steps4.train_step(state, jax.device_put(batch, steps4.batch_sharding))
+    rows = batch(cfg4)
+    state, _ = steps4.train_step(state, jax.device_put(rows, steps4.batch_sharding))
     manager = checkpoint.checkpoint_manager(tmp_path, cfg4)
     checkpoint.save(manager, state, {"step": 1}, steps4)
     manager.wait_until_finished()
     saved = jax.device_get((state.params, state.opt_state, state.buffers))
-    _, want = steps4.train_step(state, jax.device_put(batch, steps4.batch_sharding))
+    _, want = steps4.train_step(state, jax.device_put(rows, steps4.batch_sharding))
     for mesh, dispatcher in [({"data": 8}, "grouped"), ({"data": 2, "context": 2, "expert": 2},
                                                         "alltoall")]:
         cfg = _cfg(mesh, dispatcher)
@@ -186,5 +135,5 @@ def test_a_context_checkpoint_resumes_under_other_splits(tmp_path):
         restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(tmp_path), steps)
         chex.assert_trees_all_equal(
             jax.device_get((restored.params, restored.opt_state, restored.buffers)), saved)
-        _, got = steps.train_step(restored, jax.device_put(batch, steps.batch_sharding))
+        _, got = steps.train_step(restored, jax.device_put(rows, steps.batch_sharding))
         np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)

@@ -45,6 +45,9 @@ def test_47b_fits_a_b300_with_the_shipped_dispatcher(b300):
                                "native_mxfp8": False, "ragged_exchange": "-",  # alltoall
                                "expert_gemm": "triton"}
     assert plan["params_total"] == pytest.approx(47e9, rel=0.02)
+    # decoding keeps each layer's keys and values: 8 layers x 2 x 8 KV heads x 128, bf16
+    assert plan["kv_cache_bytes_per_token"] == 8 * 2 * 8 * 128 * 2
+    assert "decoding's KV cache 32,768 bytes per token" in stdout
     mem = plan["bytes_per_device"]
     assert 20e9 < mem["parameters"] < 30e9  # experts resident, 16 of 128 per device
     # Adam's first moment in bf16 (the config's optimizer.mu_dtype), its second in fp32

@@ -17,12 +17,14 @@ _MASKED = -1e30  # finite: a fully masked block must not turn the running max in
 
 
 def blockwise_attention(q_BxLxHxHd: jax.Array, k_BxLxGxHd: jax.Array, v_BxLxGxHd: jax.Array,
-                        block: int) -> jax.Array:
-    """Causal grouped-query attention; H a multiple of G, L a multiple of `block`."""
+                        block: int, scale: float | None = None) -> jax.Array:
+    """Causal grouped-query attention; H a multiple of G, L a multiple of `block`;
+    scores times `scale` (None: 1 / sqrt(Hd))."""
     B, L, H, Hd = q_BxLxHxHd.shape
     G = k_BxLxGxHd.shape[2]
     Nb, Hg = L // block, H // G
-    q_NbxBxLbxGxHgxHd = (q_BxLxHxHd.astype(jnp.float32) * Hd ** -0.5).reshape(
+    scale = Hd ** -0.5 if scale is None else scale
+    q_NbxBxLbxGxHgxHd = (q_BxLxHxHd.astype(jnp.float32) * scale).reshape(
         B, Nb, block, G, Hg, Hd).swapaxes(0, 1)
     k_NbxBxLbxGxHd = k_BxLxGxHd.reshape(B, Nb, block, G, Hd).swapaxes(0, 1)
     v_NbxBxLbxGxHd = v_BxLxGxHd.reshape(B, Nb, block, G, Hd).swapaxes(0, 1)

@@ -1,7 +1,9 @@
 """Decoding with a KV cache: prefill a prompt, then feed one token at a time.
 
-The cache holds every layer's rotated keys and values in Lc slots, a static
-maximum length, so decoding compiles once per (batch, Lc). A query at position p
+The cache holds what every layer's attention keeps of each token (its rotated keys
+and values; with `model.attention: mla`, its latent and rotated RoPE key, from which
+each call expands the heads' keys and values) in Lc slots, a static maximum length,
+so decoding compiles once per (batch, Lc). A query at position p
 attends to the slots 0..p; slots not yet written are masked out. `forward` runs
 the same blocks as `Transformer.__call__` with causal attention over the cache
 instead of over the call's own tokens.
@@ -16,35 +18,48 @@ Ls layers of one stack.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config import Config
-from jaxmoe.model.transformer import Block, Transformer
+from jaxmoe.model.attention import narrow_values, softmax_scale
+from jaxmoe.model.transformer import Block, Transformer, attention_class
 
-Cache = dict[str, tuple[jax.Array, jax.Array]]  # stack name -> (k, v) [Ls, B, Lc, G, Hd]
+# stack name -> what attention keeps per token, [Ls, B, Lc, ...] each: (k, v) of
+# [G, Hd] per token, or MLA's (latent [Rkv], RoPE key [Hr])
+Cache = dict[str, tuple[jax.Array, jax.Array]]
 
 
 def init_cache(cfg: Config, batch: int, slots: int) -> Cache:
     m = cfg.model
     stacks = {"dense_layers": m.num_dense_layers, "moe_layers": cfg.num_moe_layers}
     dtype = jnp.dtype(m.compute_dtype)
-    return {name: (jnp.zeros((n, batch, slots, m.num_kv_heads, m.head_size), dtype),) * 2
+    shapes = attention_class(m).cache_shapes(m)
+    return {name: tuple(jnp.zeros((n, batch, slots, *shape), dtype) for shape in shapes)
             for name, n in stacks.items() if n}
 
 
-def _block(block: Block, x_BxLxD, positions_BxL, k_BxLcxGxHd, v_BxLcxGxHd, start, first_B):
-    q, k_new, v_new = block.attn.qkv(block.attn_norm(x_BxLxD), positions_BxL)
-    k_BxLcxGxHd = jax.lax.dynamic_update_slice_in_dim(k_BxLcxGxHd, k_new, start, axis=1)
-    v_BxLcxGxHd = jax.lax.dynamic_update_slice_in_dim(v_BxLcxGxHd, v_new, start, axis=1)
+def cache_numbers_per_token(cfg: Config) -> int:
+    """Numbers the cache keeps per token and layer (x layers: the whole cache's)."""
+    return sum(math.prod(shape) for shape in attention_class(cfg.model).cache_shapes(cfg.model))
+
+
+def _block(block: Block, x_BxLxD, positions_BxL, kept_a, kept_b, start, first_B):
+    q, (new_a, new_b) = block.attn.cached(block.attn_norm(x_BxLxD), positions_BxL)
+    kept_a = jax.lax.dynamic_update_slice_in_dim(kept_a, new_a.astype(kept_a.dtype), start, axis=1)
+    kept_b = jax.lax.dynamic_update_slice_in_dim(kept_b, new_b.astype(kept_b.dtype), start, axis=1)
+    k_BxLcxGxHd, v_BxLcxGxHd = block.attn.keys_values(kept_a, kept_b)
     slots_Lc = jnp.arange(k_BxLcxGxHd.shape[1])
     causal_BxLxLc = positions_BxL[:, :, None] >= slots_Lc
     real_BxLxLc = (slots_Lc >= first_B[:, None, None]) | (positions_BxL[:, :, None] == slots_Lc)
     mask_Bx1xLxLc = (causal_BxLxLc & real_BxLxLc)[:, None]
-    o = jax.nn.dot_product_attention(q, k_BxLcxGxHd, v_BxLcxGxHd, mask=mask_Bx1xLxLc)
+    o = narrow_values(jax.nn.dot_product_attention)(
+        q, k_BxLcxGxHd, v_BxLcxGxHd, mask=mask_Bx1xLxLc, scale=softmax_scale(block.attn.cfg))
     x_BxLxD, aux = block.feed_forward(x_BxLxD + block.attn.out(o))
-    return x_BxLxD, k_BxLcxGxHd, v_BxLcxGxHd, aux
+    return x_BxLxD, kept_a, kept_b, aux
 
 
 def forward(model: Transformer, tokens_BxL: jax.Array, cache: Cache, start: jax.Array | int,

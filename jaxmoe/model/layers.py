@@ -6,8 +6,11 @@ heads, Hd head size, F hidden, E experts, K top-k, T tokens (B L), V vocab.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -38,18 +41,59 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...], self.eps)
 
 
+def rope_frequencies(cfg) -> tuple[np.ndarray, float]:
+    """(inverse frequencies [R / 2], cos/sin scale) of `cfg`'s (a ModelConfig's) RoPE
+    over its `rotary_dims` dimensions: theta^(-2i/R), or YaRN's blend of them with the
+    stretched ones (transformers' yarn rope type, correction range truncated), whose
+    cos and sin are scaled by mscale(factor, yarn_mscale) / mscale(factor,
+    yarn_mscale_all_dim) (1 for DeepSeek-V3's released values)."""
+    R, theta = cfg.rotary_dims, cfg.rope_theta
+    inv_freq = 1.0 / theta ** (np.arange(0, R, 2, dtype=np.float64) / R)
+    factor = cfg.yarn_factor
+    if not factor:
+        return inv_freq.astype(np.float32), 1.0
+
+    def correction_dim(rotations: float) -> float:  # the dimension turning that often
+        return R * math.log(cfg.yarn_original_max_positions / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(cfg.yarn_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), R - 1)
+    ramp = np.clip((np.arange(R // 2, dtype=np.float64) - low)
+                   / ((high - low) if high != low else 0.001), 0.0, 1.0)
+    keep = 1.0 - ramp  # 1: the original frequency (fast dimensions), 0: stretched
+    inv_freq = inv_freq / factor * (1.0 - keep) + inv_freq * keep
+    scale = (yarn_mscale(factor, cfg.yarn_mscale) / yarn_mscale(factor, cfg.yarn_mscale_all_dim)
+             if cfg.yarn_mscale and cfg.yarn_mscale_all_dim else yarn_mscale(factor))
+    return inv_freq.astype(np.float32), float(scale)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term, 0.1 mscale ln(factor) + 1 (1 without stretch)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def rope(x_BxLxHxHd: jax.Array, positions_BxL: jax.Array, theta: float,
-         rotary_dims: int | None = None) -> jax.Array:
-    """Rotary position embedding (rotate-half layout), computed in fp32, of a head's
-    first `rotary_dims` dimensions (all when None); the rest pass through, and the
-    frequencies span the rotated ones (as GLM-4.5's partial rotary)."""
+         rotary_dims: int | None = None, *, inv_freq=None, scale: float = 1.0,
+         interleave: bool = False) -> jax.Array:
+    """Rotary position embedding, computed in fp32, of a head's first `rotary_dims`
+    dimensions (all when None); the rest pass through, and the frequencies span the
+    rotated ones (as GLM-4.5's partial rotary). inv_freq: the frequencies
+    (`rope_frequencies`; None: theta's), scale: on cos and sin (YaRN's).
+    Pairs (i, i + R/2) rotate together; `interleave`: pairs (2i, 2i + 1), written
+    back as rotate-half lays them out (evens then odds, as transformers does), which
+    changes no dot product of rotated queries and keys."""
     R = rotary_dims or x_BxLxHxHd.shape[-1]
-    freq = theta ** (-jnp.arange(0, R // 2, dtype=jnp.float32) * 2.0 / R)
+    freq = (theta ** (-jnp.arange(0, R // 2, dtype=jnp.float32) * 2.0 / R) if inv_freq is None
+            else jnp.asarray(inv_freq, jnp.float32))
     angle_BxLxR2 = positions_BxL[..., None].astype(jnp.float32) * freq
-    sin = jnp.sin(angle_BxLxR2)[:, :, None, :]
-    cos = jnp.cos(angle_BxLxR2)[:, :, None, :]
+    sin = (jnp.sin(angle_BxLxR2) * scale)[:, :, None, :]
+    cos = (jnp.cos(angle_BxLxR2) * scale)[:, :, None, :]
     rotated, passed = jnp.split(x_BxLxHxHd.astype(jnp.float32), [R], axis=-1)
-    x1, x2 = jnp.split(rotated, 2, axis=-1)
+    if interleave:
+        x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
+    else:
+        x1, x2 = jnp.split(rotated, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, passed], axis=-1)
     return out.astype(x_BxLxHxHd.dtype)
 

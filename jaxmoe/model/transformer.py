@@ -23,6 +23,7 @@ from jaxmoe.config import Config
 from jaxmoe.model.attention import Attention
 from jaxmoe.model.layers import MLP, RMSNorm, param
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
+from jaxmoe.model.mla import LatentAttention
 from jaxmoe.model.moe import MoE
 from jaxmoe.model.remat import LAYER_INPUT, REMAT_POLICIES
 
@@ -38,7 +39,7 @@ class Block(nnx.Module):
         std, out_std = init_stds(cfg)
         m = cfg.model
         self.attn_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
-        self.attn = Attention(m, out_std, rngs)
+        self.attn = attention_class(m)(m, out_std, rngs)
         self.mlp_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
         if use_moe:
             self.moe = MoE(m.d_model, cfg.moe, std, out_std, rngs)
@@ -64,6 +65,11 @@ class Block(nnx.Module):
             with jax.named_scope("dense_mlp"):
                 y, aux = _in_chunks(self.mlp, h, self.mlp_chunk), {}
         return x_BxLxD + y, aux
+
+
+def attention_class(cfg) -> type[Attention] | type[LatentAttention]:
+    """The attention module of `cfg` (a ModelConfig): `model.attention` names it."""
+    return LatentAttention if cfg.attention == "mla" else Attention
 
 
 def _in_chunks(per_position, x_BxLxD, chunk: int):

@@ -75,6 +75,15 @@ def routed_expert_flops(cfg) -> float:
     return 6.0 * m.d_model * moe.expert_hidden * copies * layers
 
 
+def cache_bytes_per_token(cfg) -> int:
+    """Bytes a KV cache in the compute dtype keeps per token over every layer."""
+    import jax.numpy as jnp
+
+    from jaxmoe.model.kv_cache import cache_numbers_per_token
+    return (cache_numbers_per_token(cfg) * cfg.model.num_layers
+            * jnp.dtype(cfg.model.compute_dtype).itemsize)
+
+
 def routed_share(cfg) -> float:
     """The share of the expert buffers' rows that the routed copies fill at balanced
     routing: 1 / `moe.capacity_factor` (less where a buffer's rows round up), what a
@@ -267,6 +276,8 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
         "step_program": "per-device" if uses_per_device_step(cfg) else "auto-sharded",
         "kernels": kernels,
         "params_total": counts.total, "params_active": counts.active,
+        # what decoding keeps per token, all layers (MLA: latents and RoPE keys)
+        "kv_cache_bytes_per_token": cache_bytes_per_token(cfg),
         "bytes_per_device": {"parameters": params, "optimizer_state": opt, "gradients": grads,
                              "activations_and_temporaries": mem.temp_size_in_bytes,
                              "peak": peak},
@@ -335,6 +346,8 @@ def print_plan(p: dict) -> None:
     print(f"  compiled for {p['target']} ({k['device_kind']}): attention {k['attention']}, "
           f"native MXFP8 {k['native_mxfp8']}, ragged exchange {k['ragged_exchange']}, "
           f"expert GEMM {k['expert_gemm']}")
+    print(f"  decoding's KV cache {p['kv_cache_bytes_per_token']:,} bytes per token (every "
+          "layer, in the compute dtype)")
     for key, v in p["bytes_per_device"].items():
         print(f"  {key:28s} {gb(v):>12s} per device")
     if p["largest_buffers"]:
