@@ -1,5 +1,5 @@
-"""Hugging Face interop: jaxmoe models <-> Qwen3-MoE, OLMoE, Mixtral, dots1 and GLM-4.5
-(glm4_moe) checkpoints.
+"""Hugging Face interop: jaxmoe models <-> Qwen3-MoE, OLMoE, Mixtral, dots1, GLM-4.5
+(glm4_moe) and DeepSeek-V3 (deepseek_v3) checkpoints.
 
 Which family takes a jaxmoe config (`family_for`):
 
@@ -10,6 +10,7 @@ Which family takes a jaxmoe config (`family_for`):
 | softmax router, no QK-norm, renormalised gates | mixtral   |
 | sigmoid router (+ selection bias, groups), shared expert, per-head QK-norm | dots1 |
 | sigmoid router (+ selection bias, groups), any other: no shared expert, no QK-norm, partial RoPE | glm4_moe |
+| multi-head latent attention, sigmoid router (+ selection bias, groups, shared experts) | deepseek_v3 |
 
 Anything else (a softmax router with a selection bias or a shared expert, QK-norm
 over the projection beside a sigmoid router, ...) has no family in `transformers`
@@ -38,14 +39,20 @@ from jaxmoe.config import SHAPE_KEYS, Config, ConfigError, config_from_dict
 
 FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
             "mixtral": "MixtralForCausalLM", "dots1": "Dots1ForCausalLM",
-            "glm4_moe": "Glm4MoeForCausalLM"}
-SIGMOID = ("dots1", "glm4_moe")  # DeepSeek-V3's router: sigmoid, correction bias, groups
+            "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+# DeepSeek-V3's router: sigmoid, correction bias, groups
+SIGMOID = ("dots1", "glm4_moe", "deepseek_v3")
 # What transformers (5.24) takes for a key a config.json leaves out, where it is not
 # jaxmoe's own fallback
 OMITTED = {"glm4_moe": {"n_shared_experts": 1, "first_k_dense_replace": 1,
                         "num_key_value_heads": 8, "norm_topk_prob": True, "rms_norm_eps": 1e-5},
            "dots1": {"first_k_dense_replace": 0, "num_key_value_heads": 32,
-                     "norm_topk_prob": False}}
+                     "norm_topk_prob": False},
+           "deepseek_v3": {"n_shared_experts": 1, "first_k_dense_replace": 3, "n_group": 8,
+                           "topk_group": 4, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+                           "rms_norm_eps": 1e-6, "rope_interleave": True, "q_lora_rank": 1536,
+                           "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                           "v_head_dim": 128}}
 INDEX = "model.safetensors.index.json"
 _DTYPES = ("F32", "BF16", "F16")  # what jaxmoe reads (as float32)
 
@@ -64,6 +71,12 @@ def family_for(cfg: Config) -> str:
         raise HFError("model.num_dense_layers == model.num_layers: a dense model is not an MoE "
                       "family's")
     shared = moe.shared_expert_hidden
+    if m.attention == "mla":
+        _refuse("multi-head latent attention", [
+            ("moe.score_func", moe.score_func != "sigmoid", "deepseek_v3's router is sigmoid"),
+            ("moe.shared_expert_hidden", shared % moe.expert_hidden != 0,
+             "a shared expert is a whole number of expert widths")], "deepseek_v3")
+        return "deepseek_v3"
     if moe.score_func == "sigmoid":
         _refuse("a sigmoid router", [
             ("model.qk_norm", m.qk_norm == "full", "dots1 and glm4_moe normalise q and k per "
@@ -125,7 +138,7 @@ def hf_config(cfg: Config, family: str, eos_id: int | None = None, bos_id: int |
            "num_experts_per_tok": moe.top_k, "output_router_logits": False,
            "router_aux_loss_coef": moe.balance_loss_weight, "bos_token_id": bos_id,
            "eos_token_id": eos_id, "dtype": dtype}
-    if family != "olmoe":
+    if family not in ("olmoe", "deepseek_v3"):  # deepseek_v3's is its RoPE part
         out["head_dim"] = m.head_size
     if family == "glm4_moe":  # its default rotates half of each head
         out["rope_parameters"]["partial_rotary_factor"] = m.rope_fraction
@@ -150,6 +163,17 @@ def hf_config(cfg: Config, family: str, eos_id: int | None = None, bos_id: int |
         if family == "dots1":
             out |= {"sliding_window": None, "max_window_layers": n,
                     "layer_types": ["full_attention"] * n}
+        elif family == "deepseek_v3":  # no multi-token-prediction layer is written
+            out |= {"q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
+                    "qk_nope_head_dim": m.qk_nope_head_dim,
+                    "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim,
+                    "rope_interleave": m.rope_interleave, "num_nextn_predict_layers": 0}
+            if m.yarn_factor:
+                out["rope_parameters"] |= {
+                    "rope_type": "yarn", "factor": m.yarn_factor,
+                    "original_max_position_embeddings": m.yarn_original_max_positions,
+                    "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow,
+                    "mscale": m.yarn_mscale, "mscale_all_dim": m.yarn_mscale_all_dim}
         else:  # no multi-token-prediction layer is written
             out |= {"use_qk_norm": m.qk_norm == "head", "num_nextn_predict_layers": 0}
     return out
@@ -170,7 +194,10 @@ def config_from_hf(hf: dict) -> Config:
         raise HFError(f"config.json ({family}): no value for {', '.join(missing)}")
     get = {**OMITTED.get(family, {}), **hf}.get
     rope = dict(get("rope_parameters") or {})
+    if family == "deepseek_v3" and get("rope_scaling"):  # the released checkpoints' key
+        rope = {**rope, **get("rope_scaling")}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    yarn = family == "deepseek_v3" and rope_type == "yarn"
     # transformers' defaults where a config leaves them out
     theta = rope.get("rope_theta") or get("rope_theta") or (1e6 if family == "mixtral" else 1e4)
     eps = get("rms_norm_eps") or (1e-5 if family in ("olmoe", "mixtral") else 1e-6)
@@ -182,10 +209,12 @@ def config_from_hf(hf: dict) -> Config:
          "jaxmoe reads unquantised weights"),
         ("tie_word_embeddings", bool(get("tie_word_embeddings")),
          "jaxmoe's LM head is its own matrix (untie the checkpoint first)"),
-        ("rope_scaling", bool(get("rope_scaling")), "jaxmoe has plain RoPE only"),
+        ("rope_scaling", family != "deepseek_v3" and bool(get("rope_scaling")),
+         "jaxmoe has plain RoPE only (and deepseek_v3's YaRN)"),
         ("attention_bias", bool(get("attention_bias")), "jaxmoe's projections have no bias"),
         ("hidden_act", get("hidden_act", "silu") != "silu", "jaxmoe's MLPs are SwiGLU"),
-        ("rope_parameters.rope_type", rope_type != "default", "jaxmoe has plain RoPE only"),
+        ("rope_parameters.rope_type", rope_type != "default" and not yarn,
+         "jaxmoe has plain RoPE only (and deepseek_v3's YaRN)"),
         ("use_sliding_window", family == "qwen3_moe" and bool(get("use_sliding_window")),
          "jaxmoe attends to the whole sequence"),
         ("sliding_window", family == "mixtral" and get("sliding_window") is not None,
@@ -223,6 +252,21 @@ def config_from_hf(hf: dict) -> Config:
              "rope_theta": float(theta), "rope_fraction": fraction, "norm_eps": float(eps)}
     if family == "glm4_moe" and not get("use_qk_norm"):
         model["qk_norm"] = "none"
+    if family == "deepseek_v3":
+        model |= {"attention": "mla", "qk_norm": "none", "num_kv_heads": heads, "head_dim": 0,
+                  "q_lora_rank": get("q_lora_rank") or 0, "kv_lora_rank": get("kv_lora_rank"),
+                  "qk_nope_head_dim": get("qk_nope_head_dim"),
+                  "qk_rope_head_dim": get("qk_rope_head_dim"), "v_head_dim": get("v_head_dim"),
+                  "rope_interleave": bool(get("rope_interleave"))}
+        if yarn:
+            factor = rope.get("factor") or (get("max_position_embeddings")
+                                            / rope["original_max_position_embeddings"])
+            model |= {"yarn_factor": float(factor),
+                      "yarn_original_max_positions": rope["original_max_position_embeddings"],
+                      "yarn_beta_fast": float(rope.get("beta_fast") or 32),
+                      "yarn_beta_slow": float(rope.get("beta_slow") or 1),
+                      "yarn_mscale": float(rope.get("mscale") or 0.0),
+                      "yarn_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0)}
     moe = {"num_experts": experts, "top_k": top_k, "expert_hidden": expert_hidden,
            "score_func": "sigmoid" if sigmoid else "softmax",
            "renormalize": True if family == "mixtral" else bool(get("norm_topk_prob")),
@@ -242,7 +286,10 @@ def config_from_hf(hf: dict) -> Config:
 # The keys of an architecture: what a checkpoint's weights fix. The rest of a run's
 # config (dispatcher, capacity, losses, precision, parallelism) stays the user's.
 # The keys that shape the weights, and those that change what the weights compute.
-ARCHITECTURE = {"model": SHAPE_KEYS["model"] + ("rope_theta", "rope_fraction", "norm_eps"),
+ARCHITECTURE = {"model": SHAPE_KEYS["model"] + (
+    "rope_theta", "rope_fraction", "norm_eps", "rope_interleave", "yarn_factor",
+    "yarn_original_max_positions", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
+    "yarn_mscale_all_dim"),
                 "moe": SHAPE_KEYS["moe"] + ("top_k", "score_func", "renormalize", "gate_scale",
                                             "routing_groups", "groups_per_token")}
 
@@ -273,11 +320,19 @@ def layer_tensors(layer: dict, cfg: Config, family: str, i: int) -> dict[str, np
     H, G, Hd, D = m.num_heads, m.num_kv_heads, m.head_size, m.d_model
     a, pre = layer["attn"], f"model.layers.{i}."
     out = {pre + "input_layernorm.weight": layer["attn_norm"]["scale"],
-           pre + "post_attention_layernorm.weight": layer["mlp_norm"]["scale"],
-           pre + "self_attn.q_proj.weight": a["w_q"].reshape(D, H * Hd).T,
-           pre + "self_attn.k_proj.weight": a["w_k"].reshape(D, G * Hd).T,
-           pre + "self_attn.v_proj.weight": a["w_v"].reshape(D, G * Hd).T,
-           pre + "self_attn.o_proj.weight": a["w_o"].reshape(H * Hd, D).T}
+           pre + "post_attention_layernorm.weight": layer["mlp_norm"]["scale"]}
+    if m.attention == "mla":
+        out |= {pre + "self_attn." + name + ".weight": w.reshape(w.shape[0], -1).T
+                for name, w in _latent_projections(a, m)}
+        out |= {pre + "self_attn.kv_a_layernorm.weight": a["kv_a_norm"],
+                pre + "self_attn.o_proj.weight": a["w_o"].reshape(-1, D).T}
+        if m.q_lora_rank:
+            out[pre + "self_attn.q_a_layernorm.weight"] = a["q_a_norm"]
+    else:
+        out |= {pre + "self_attn.q_proj.weight": a["w_q"].reshape(D, H * Hd).T,
+                pre + "self_attn.k_proj.weight": a["w_k"].reshape(D, G * Hd).T,
+                pre + "self_attn.v_proj.weight": a["w_v"].reshape(D, G * Hd).T,
+                pre + "self_attn.o_proj.weight": a["w_o"].reshape(H * Hd, D).T}
     if m.qk_norm != "none":
         out[pre + "self_attn.q_norm.weight"] = a["q_norm"].reshape(-1)
         out[pre + "self_attn.k_norm.weight"] = a["k_norm"].reshape(-1)
@@ -303,6 +358,16 @@ def layer_tensors(layer: dict, cfg: Config, family: str, i: int) -> dict[str, np
     return out
 
 
+# MLA's projections: deepseek_v3's name, jaxmoe's, and jaxmoe's shape ([in, out...])
+def _latent_names(m) -> list[tuple[str, str]]:
+    q = [("q_a_proj", "w_q_a"), ("q_b_proj", "w_q_b")] if m.q_lora_rank else [("q_proj", "w_q")]
+    return q + [("kv_a_proj_with_mqa", "w_kv_a"), ("kv_b_proj", "w_kv_b")]
+
+
+def _latent_projections(attn: dict, m) -> list[tuple[str, np.ndarray]]:
+    return [(hf, attn[ours]) for hf, ours in _latent_names(m)]
+
+
 def _mlp(prefix: str, mlp: dict, gate: str, up: str, down: str) -> dict[str, np.ndarray]:
     F = mlp["w_down"].shape[0]
     return {prefix + f"{gate}.weight": mlp["w_gate_up"][:, :F].T,
@@ -321,10 +386,22 @@ def read_layer(read, cfg: Config, family: str, i: int, moe: bool) -> dict:
     m = cfg.model
     H, G, Hd, D = m.num_heads, m.num_kv_heads, m.head_size, m.d_model
     pre = f"model.layers.{i}."
-    attn = {"w_q": read(pre + "self_attn.q_proj.weight").T.reshape(D, H, Hd),
-            "w_k": read(pre + "self_attn.k_proj.weight").T.reshape(D, G, Hd),
-            "w_v": read(pre + "self_attn.v_proj.weight").T.reshape(D, G, Hd),
-            "w_o": read(pre + "self_attn.o_proj.weight").T.reshape(H, Hd, D)}
+    if m.attention == "mla":
+        Hn, Hr, Hv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        shapes = {"w_q": (D, H, Hn + Hr), "w_q_a": (D, m.q_lora_rank),
+                  "w_q_b": (m.q_lora_rank, H, Hn + Hr), "w_kv_a": (D, m.kv_lora_rank + Hr),
+                  "w_kv_b": (m.kv_lora_rank, H, Hn + Hv)}
+        attn = {ours: read(pre + f"self_attn.{hf}.weight").T.reshape(shapes[ours])
+                for hf, ours in _latent_names(m)}
+        attn |= {"kv_a_norm": read(pre + "self_attn.kv_a_layernorm.weight"),
+                 "w_o": read(pre + "self_attn.o_proj.weight").T.reshape(H, Hv, D)}
+        if m.q_lora_rank:
+            attn["q_a_norm"] = read(pre + "self_attn.q_a_layernorm.weight")
+    else:
+        attn = {"w_q": read(pre + "self_attn.q_proj.weight").T.reshape(D, H, Hd),
+                "w_k": read(pre + "self_attn.k_proj.weight").T.reshape(D, G, Hd),
+                "w_v": read(pre + "self_attn.v_proj.weight").T.reshape(D, G, Hd),
+                "w_o": read(pre + "self_attn.o_proj.weight").T.reshape(H, Hd, D)}
     if m.qk_norm == "head":
         attn |= {"q_norm": read(pre + "self_attn.q_norm.weight"),
                  "k_norm": read(pre + "self_attn.k_norm.weight")}

@@ -46,13 +46,33 @@ FAMILIES = {
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
         norm_topk_prob=False, use_qk_norm=False, num_nextn_predict_layers=0,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0})),
+    # DeepSeek-V3's multi-head latent attention: no query LoRA, two dense layers, two
+    # shared experts, groups, YaRN with both of its scales, interleaved RoPE pairs
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2,
+        num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+        rope_interleave=True, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+            "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 0.8})),
+    # and with a query LoRA, one dense layer and shared expert, plain rotate-half RoPE
+    "deepseek_v3-qlora": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        norm_topk_prob=False, routed_scaling_factor=1.0, num_nextn_predict_layers=0,
+        rope_interleave=False)),
 }
 
 
 def _hf_model(family, directory):
     config_cls, model_cls, kw = FAMILIES[family]
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**COMMON, **kw)
+    config = getattr(transformers, config_cls)(**{**COMMON, **kw})
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():  # norms and biases away from their initial 1s and 0s
         for name, p in model.named_parameters():
@@ -97,9 +117,10 @@ def test_imports_with_the_same_logits_and_exports_the_same_tensors(family, tmp_p
         save_hf(params, cfg, tmp_path / "bf16", dtype="bfloat16")
         dtypes = {n: dtype for n, (_, dtype, _) in SafetensorsReader(tmp_path / "bf16")
                   .where.items()}
-        assert dtypes["model.layers.1.mlp.gate.weight"] == "F32"
-        assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == "F32"
-        assert dtypes["model.layers.1.mlp.experts.0.up_proj.weight"] == "BF16"
+        moe = f"model.layers.{cfg.model.num_dense_layers}.mlp."  # the first MoE layer
+        assert dtypes[moe + "gate.weight"] == "F32"
+        assert dtypes[moe + "gate.e_score_correction_bias"] == "F32"
+        assert dtypes[moe + "experts.0.up_proj.weight"] == "BF16"
     if family == "qwen3_moe":  # bfloat16: the same tensors, rounded
         import ml_dtypes
         save_hf(params, cfg, tmp_path / "bf16", dtype="bfloat16")
@@ -174,6 +195,11 @@ TRAINED = {
     "glm4_moe": ({"qk_norm": "head", "rope_fraction": 0.5},
                  {"score_func": "sigmoid", "expert_bias": True, "routing_groups": 2,
                   "groups_per_token": 1}),
+    "deepseek_v3": ({"attention": "mla", "qk_norm": "none", "num_kv_heads": 2,
+                     "q_lora_rank": 16, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
+                     "qk_rope_head_dim": 8, "v_head_dim": 12, "rope_interleave": True},
+                    {"score_func": "sigmoid", "expert_bias": True, "shared_expert_hidden": 32,
+                     "gate_scale": 2.5, "routing_groups": 2, "groups_per_token": 1}),
 }
 
 
@@ -186,7 +212,7 @@ def test_a_trained_model_exports_to_transformers_with_the_same_text(family, tmp_
     from jaxmoe.train import train
 
     model, moe = TRAINED[family]
-    dense = 1 if family in ("qwen3_moe", "dots1", "glm4_moe") else 0
+    dense = 1 if family in ("qwen3_moe", "dots1", "glm4_moe", "deepseek_v3") else 0
     cfg = jaxmoe.config_from_dict({
         "model": {"d_model": 32, "num_layers": 2 + dense, "num_heads": 2, "num_kv_heads": 1,
                   "num_dense_layers": dense, "mlp_hidden": 64, **model},
