@@ -9,6 +9,7 @@ training capacity (the held-out loss), `score_step` dropless (downstream tasks).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -271,7 +272,7 @@ class DeviceProgram:
         self.sharded_master = _sharded_master(cfg)
         self.context = sharding.axis_size(self.mesh, "context")
         # devices holding different tokens: what the losses and gradients average over
-        self.n_shards = self.mesh.shape["data"] * self.mesh.shape["expert"] * self.context
+        self.n_shards = math.prod(sharding.axis_size(self.mesh, a) for a in TOKEN_AXES)
         self.deferred = jax.tree_util.tree_map_with_path(self._defers, self.plans)
 
     def _defers(self, path, r: ddp.Reduction) -> bool:
@@ -392,8 +393,10 @@ def make_score_step(program, score_fn: Callable) -> Callable:
 
     def score_step(params, buffers, batch_BxL1: jax.Array, mask_BxL: jax.Array):
         logprob_B, greedy_B = score_fn(program.working(params), buffers,
-                                       program.own_rows(batch_BxL1), program.own_rows(mask_BxL, 0))
-        return {"logprob": program.per_row(logprob_B), "greedy": program.per_row(greedy_B, every=True)}
+                                       program.own_rows(batch_BxL1),
+                                       program.own_rows(mask_BxL, extra=0))
+        return {"logprob": program.per_row(logprob_B),
+                "greedy": program.per_row(greedy_B, every=True)}
 
     return score_step
 

@@ -196,7 +196,7 @@ class DeviceLayout(GlobalLayout):
         return lax.psum(x, context.AXIS) if self.context > 1 else x
 
     def batch_total(self, x: jax.Array) -> jax.Array:
-        return lax.psum(x, TOKEN_AXES if self.context > 1 else BATCH_AXES)
+        return lax.psum(x, TOKEN_AXES)
 
     def dispatch(self, x_TxD, routing: Routing, weights, cfg: MoEConfig) -> Dispatched:
         """Already inside the step's `shard_map`: the per-device dispatcher itself."""
