@@ -70,6 +70,10 @@ class ModelConfig:
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
+    # DeepSeek-V3's multi-token prediction (jaxmoe/model/mtp.py): N modules after the
+    # last layer, the k-th predicting the token k + 1 ahead; trained with
+    # train.mtp_loss_weight, never run by generation or scoring
+    mtp_layers: int = 0
 
     @property
     def head_size(self) -> int:
@@ -255,6 +259,9 @@ class TrainConfig:
     # 0: logits for the whole sequence at once; N: the LM head and cross-entropy run
     # N positions at a time (recomputed in the backward), never holding B x L x V logits
     loss_chunk: int = 0
+    # the multi-token prediction modules' loss, the mean over their depths, is added
+    # to the main loss times this (DeepSeek-V3: 0.3, then 0.1 late in training)
+    mtp_loss_weight: float = 0.3
     # 0: the dense layers' MLP over every position at once; N: N positions at a time,
     # each slice recomputed in the backward (a [B, N, 2 mlp_hidden] hidden at once)
     dense_mlp_chunk: int = 0
@@ -415,6 +422,9 @@ def validate(c: Config) -> None:
     _require(t.grad_reduce_dtype == "float32" or c.mesh.parallelism == "ddp",
              "train.grad_reduce_dtype", f"{t.grad_reduce_dtype} applies to the ddp step, whose "
              f"reductions it places; mesh.parallelism is {c.mesh.parallelism}")
+    _require(0 <= m.mtp_layers < t.seq_len, "model.mtp_layers",
+             f"{m.mtp_layers} must be in [0, train.seq_len={t.seq_len})")
+    _require(t.mtp_loss_weight >= 0, "train.mtp_loss_weight", "must be non-negative")
     _require(m.num_dense_layers <= m.num_layers, "model.num_dense_layers",
              f"{m.num_dense_layers} exceeds num_layers={m.num_layers}")
     if m.num_dense_layers:
@@ -695,7 +705,7 @@ def dropless(cfg: Config) -> Config:
 SHAPE_KEYS = {
     "model": ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "mlp_hidden", "num_dense_layers", "qk_norm", "attention", "q_lora_rank",
-              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+              "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers"),
     "moe": ("num_experts", "expert_hidden", "shared_expert_hidden", "expert_bias"),
 }
 
@@ -730,8 +740,16 @@ def param_counts(c: Config) -> ParamCounts:
     total = outer + m.num_layers * attn + L_dense * dense_mlp
     total += L_moe * (router + shared + moe.num_experts * expert)
     active = total - L_moe * (moe.num_experts - moe.top_k) * expert
+    # a multi-token prediction module: a layer like the last (MoE where the model has
+    # MoE layers), its projection of [embedding; hidden] and three norms; embedding
+    # and head are the model's
+    ffn_total, ffn_active = ((router + shared + moe.num_experts * expert,
+                              router + shared + moe.top_k * expert) if L_moe
+                             else (dense_mlp, dense_mlp))
+    total += m.mtp_layers * (attn + ffn_total + 2 * d * d + 3 * d)
+    active += m.mtp_layers * (attn + ffn_active + 2 * d * d + 3 * d)
     return ParamCounts(total=total, active=active, embedding=embed,
-                       norm=m.num_layers * layer_norms + d)
+                       norm=(m.num_layers + m.mtp_layers) * layer_norms + d + 3 * d * m.mtp_layers)
 
 
 def flops_per_token(c: Config) -> float:
@@ -739,9 +757,12 @@ def flops_per_token(c: Config) -> float:
 
     PaLM convention: attention adds 12 * layers * heads * head_dim * seq_len
     (forward QK^T and AV, times three for training), counted without causal savings.
+    Multi-token prediction modules count as layers, each also running the LM head.
     """
     m = c.model
     counts = param_counts(c)
     matmul_params = counts.active - counts.embedding - counts.norm
-    attention = 6 * m.num_layers * m.num_heads * (m.head_size + m.value_size) * c.train.seq_len
+    matmul_params += m.mtp_layers * m.d_model * m.vocab_size  # the shared head, again
+    layers = m.num_layers + m.mtp_layers
+    attention = 6 * layers * m.num_heads * (m.head_size + m.value_size) * c.train.seq_len
     return 6.0 * matmul_params + attention

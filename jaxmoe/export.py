@@ -39,7 +39,7 @@ _RENAME = {"embed": "embedding", "head": "lm_head", "final_norm.scale": "final_n
 def named_tensors(params: nnx.State, cfg: Config) -> dict[str, tuple[np.ndarray, list]]:
     """Flat {name: (array, axis names)} of weights whose MoE layers are in model order
     (as `checkpoint.restore_weights` gives them); stacked layers are split one tensor
-    per layer, numbered in model order."""
+    per layer, numbered in model order (multi-token prediction modules as mtp.{i})."""
     num_dense = cfg.model.num_dense_layers
     out = {}
     flat = nnx.to_flat_state(params)
@@ -47,10 +47,11 @@ def named_tensors(params: nnx.State, cfg: Config) -> dict[str, tuple[np.ndarray,
         keys = [str(k) for k in path]
         value = np.asarray(jax.device_get(var[...]))
         axes = list(var.get_metadata().get("out_sharding") or [])
-        if keys[0] in ("dense_layers", "moe_layers"):
+        if keys[0] in ("dense_layers", "moe_layers", "mtp_layers"):
             for i in range(value.shape[0]):
-                layer = i if keys[0] == "dense_layers" else num_dense + i
-                out[f"layers.{layer}." + ".".join(keys[1:])] = (value[i], axes[1:])
+                layer = {"dense_layers": f"layers.{i}", "moe_layers": f"layers.{num_dense + i}",
+                         "mtp_layers": f"mtp.{i}"}[keys[0]]
+                out[f"{layer}." + ".".join(keys[1:])] = (value[i], axes[1:])
         else:
             name = ".".join(keys)
             out[_RENAME.get(name, name)] = (value, axes)

@@ -17,6 +17,11 @@ over the projection beside a sigmoid router, ...) has no family in `transformers
 and is refused by name. dots1 and glm4_moe compute alike where both apply (their
 routers are DeepSeek-V3's); a model both take is written as dots1.
 
+Kimi-K2's config (`kimi_k2`) reads as deepseek_v3. deepseek_v3 and glm4_moe
+checkpoints keep multi-token prediction layers after the last layer, which are
+read and written where they keep them (`mtp_tensors`); DeepSeek's FP8
+block-quantised weights are dequantised as they are read (`SafetensorsReader`).
+
 Tensors are written as `save_pretrained` writes them: one per expert, in
 `[out, in]` layout, through the safetensors library's numpy interface (bfloat16
 without torch): a shard's converted tensors are held together while it is
@@ -26,6 +31,7 @@ written. Reading takes one tensor at a time, so one layer at a time is converted
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import jax
@@ -53,8 +59,13 @@ OMITTED = {"glm4_moe": {"n_shared_experts": 1, "first_k_dense_replace": 1,
                            "rms_norm_eps": 1e-6, "rope_interleave": True, "q_lora_rank": 1536,
                            "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                            "v_head_dim": 128}}
+# model types that are another family's architecture under their own name
+ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2: DeepSeek-V3's, its own config values
+# families whose checkpoints hold multi-token prediction layers (after the last layer)
+WITH_MTP = ("deepseek_v3", "glm4_moe")
 INDEX = "model.safetensors.index.json"
 _DTYPES = ("F32", "BF16", "F16")  # what jaxmoe reads (as float32)
+_FP8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn}  # block-quantized weights, with their scales
 
 
 class HFError(ValueError):
@@ -163,19 +174,20 @@ def hf_config(cfg: Config, family: str, eos_id: int | None = None, bos_id: int |
         if family == "dots1":
             out |= {"sliding_window": None, "max_window_layers": n,
                     "layer_types": ["full_attention"] * n}
-        elif family == "deepseek_v3":  # no multi-token-prediction layer is written
+        elif family == "deepseek_v3":
             out |= {"q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
                     "qk_nope_head_dim": m.qk_nope_head_dim,
                     "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim,
-                    "rope_interleave": m.rope_interleave, "num_nextn_predict_layers": 0}
+                    "rope_interleave": m.rope_interleave,
+                    "num_nextn_predict_layers": m.mtp_layers}
             if m.yarn_factor:
                 out["rope_parameters"] |= {
                     "rope_type": "yarn", "factor": m.yarn_factor,
                     "original_max_position_embeddings": m.yarn_original_max_positions,
                     "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow,
                     "mscale": m.yarn_mscale, "mscale_all_dim": m.yarn_mscale_all_dim}
-        else:  # no multi-token-prediction layer is written
-            out |= {"use_qk_norm": m.qk_norm == "head", "num_nextn_predict_layers": 0}
+        else:
+            out |= {"use_qk_norm": m.qk_norm == "head", "num_nextn_predict_layers": m.mtp_layers}
     return out
 
 
@@ -183,10 +195,10 @@ def config_from_hf(hf: dict) -> Config:
     """The jaxmoe config of a Hugging Face config.json; HFError names what it cannot hold.
     MoE layers dispatch dropless (`grouped` with room for every copy), so jaxmoe's
     logits are the checkpoint's."""
-    family = hf.get("model_type")
+    family = ALIASES.get(hf.get("model_type"), hf.get("model_type"))
     if family not in FAMILIES:
         raise HFError(f"config.json: model_type {family!r} is not one jaxmoe reads (families: "
-                      f"{', '.join(FAMILIES)})")
+                      f"{', '.join([*FAMILIES, *ALIASES])})")
     required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "num_experts_per_tok", "intermediate_size"]
     missing = [k for k in required if not hf.get(k)]
@@ -204,9 +216,17 @@ def config_from_hf(hf: dict) -> Config:
     fraction = float(rope.get("partial_rotary_factor", get("partial_rotary_factor",
                                                            0.5 if family == "glm4_moe" else 1.0)))
     layer_types = get("layer_types") or []
+    quantized = get("quantization_config")
     problems = [
-        ("quantization_config", get("quantization_config") is not None,
-         "jaxmoe reads unquantised weights"),
+        ("quantization_config", quantized is not None and not _fp8_blocks(quantized),
+         "jaxmoe reads unquantised weights and DeepSeek's FP8 blocks (quant_method fp8, "
+         f"fmt e4m3, a weight_block_size), not {quantized}"),
+        ("scoring_func", family == "deepseek_v3" and get("scoring_func", "sigmoid") != "sigmoid",
+         "jaxmoe's deepseek_v3 router is DeepSeek-V3's sigmoid"),
+        ("topk_method", family == "deepseek_v3" and get("topk_method", "noaux_tc") != "noaux_tc",
+         "jaxmoe routes as DeepSeek-V3's noaux_tc (group-limited, with the correction bias)"),
+        ("moe_layer_freq", get("moe_layer_freq", 1) != 1,
+         "jaxmoe's MoE layers are every layer after the dense ones"),
         ("tie_word_embeddings", bool(get("tie_word_embeddings")),
          "jaxmoe's LM head is its own matrix (untie the checkpoint first)"),
         ("rope_scaling", family != "deepseek_v3" and bool(get("rope_scaling")),
@@ -249,7 +269,8 @@ def config_from_hf(hf: dict) -> Config:
              "head_dim": head_dim if head_dim * heads != d else 0,
              "mlp_hidden": get("intermediate_size"), "num_dense_layers": dense,
              "qk_norm": {"olmoe": "full", "mixtral": "none"}.get(family, "head"),
-             "rope_theta": float(theta), "rope_fraction": fraction, "norm_eps": float(eps)}
+             "rope_theta": float(theta), "rope_fraction": fraction, "norm_eps": float(eps),
+             "mtp_layers": (get("num_nextn_predict_layers") or 0) if family in WITH_MTP else 0}
     if family == "glm4_moe" and not get("use_qk_norm"):
         model["qk_norm"] = "none"
     if family == "deepseek_v3":
@@ -292,6 +313,14 @@ ARCHITECTURE = {"model": SHAPE_KEYS["model"] + (
     "yarn_mscale_all_dim"),
                 "moe": SHAPE_KEYS["moe"] + ("top_k", "score_func", "renormalize", "gate_scale",
                                             "routing_groups", "groups_per_token")}
+
+
+def _fp8_blocks(quantization: dict) -> bool:
+    """Whether a quantization_config is DeepSeek-V3's: e4m3 weights, one float32 scale
+    per block (`weight_scale_inv`), which import multiplies out."""
+    block = quantization.get("weight_block_size") or []
+    return (quantization.get("quant_method") == "fp8" and quantization.get("fmt", "e4m3") == "e4m3"
+            and len(block) == 2)
 
 
 def with_architecture(cfg: Config, source: Config) -> Config:
@@ -427,6 +456,33 @@ def read_layer(read, cfg: Config, family: str, i: int, moe: bool) -> dict:
     return layer
 
 
+def mtp_tensors(module: dict, params: dict, cfg: Config, family: str, i: int) -> dict:
+    """Multi-token prediction module i's tensors as DeepSeek-V3 lays them out: layer
+    num_layers + i, its transformer layer's tensors and its own, with copies of the
+    shared embedding and head (`module`: that module's slice of the `mtp_layers` stack)."""
+    n = cfg.model.num_layers + i
+    pre = f"model.layers.{n}."
+    return {**layer_tensors(module["block"], cfg, family, n),
+            pre + "enorm.weight": module["embed_norm"]["scale"],
+            pre + "hnorm.weight": module["hidden_norm"]["scale"],
+            pre + "eh_proj.weight": module["proj"].T,
+            pre + "shared_head.norm.weight": module["out_norm"]["scale"],
+            pre + "embed_tokens.weight": np.asarray(params["embed"]),
+            pre + "shared_head.head.weight": np.asarray(params["head"]).T}
+
+
+def read_mtp(read, cfg: Config, family: str, i: int) -> dict:
+    """The inverse of `mtp_tensors`: module i's params; copies of the embedding or the
+    head that differ from the model's are refused (jaxmoe shares them)."""
+    n = cfg.model.num_layers + i
+    pre = f"model.layers.{n}."
+    return {"block": read_layer(read, cfg, family, n, cfg.num_moe_layers > 0),
+            "embed_norm": {"scale": read(pre + "enorm.weight")},
+            "hidden_norm": {"scale": read(pre + "hnorm.weight")},
+            "proj": np.ascontiguousarray(read(pre + "eh_proj.weight").T),
+            "out_norm": {"scale": read(pre + "shared_head.norm.weight")}}
+
+
 def _layer(params: dict, cfg: Config, i: int) -> dict:
     dense = cfg.model.num_dense_layers
     stack, j = ("dense_layers", i) if i < dense else ("moe_layers", i - dense)
@@ -446,10 +502,13 @@ def _stack(layers: list[dict]):
 
 class SafetensorsReader:
     """Tensors of one or many safetensors files (a sharded checkpoint's index names
-    each tensor's file), read one at a time through the safetensors library."""
+    each tensor's file), read one at a time through the safetensors library, as
+    float32. block: the (rows, columns) of DeepSeek's FP8 blocks, where the
+    checkpoint's weights are float8 e4m3 with a float32 `weight_scale_inv` per block
+    (None: such a tensor is refused)."""
 
-    def __init__(self, directory: Path):
-        self.directory = directory
+    def __init__(self, directory: Path, block: tuple[int, int] | None = None):
+        self.directory, self.block = directory, block
         if (directory / INDEX).is_file():
             weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
         elif (directory / "model.safetensors").is_file():
@@ -471,11 +530,39 @@ class SafetensorsReader:
         if name not in self.where:
             raise HFError(f"{self.directory}: tensor {name} is missing")
         path, dtype, _ = self.where[name]
+        if dtype in _FP8 and self.block:
+            return self._dequantized(name)
         if dtype not in _DTYPES:
             raise HFError(f"{path}: tensor {name} has dtype {dtype}; jaxmoe reads "
-                          f"{', '.join(_DTYPES)}")
+                          f"{', '.join(_DTYPES)} (and {', '.join(_FP8)} with block scales, "
+                          "as a quantization_config of quant_method fp8 names them)")
         with safe_open(path, framework="numpy") as fh:
             return np.asarray(fh.get_tensor(name), np.float32)
+
+    def _dequantized(self, name: str) -> np.ndarray:
+        """An FP8 weight times its blocks' scales: float32, as DeepSeek's own dequant."""
+        path, dtype, (rows, cols) = self.where[name]
+        scale_name = name + "_scale_inv"
+        if scale_name not in self.where:
+            raise HFError(f"{path}: tensor {name} is {dtype} without its block scales "
+                          f"{scale_name}")
+        scale = self(scale_name)
+        b0, b1 = self.block
+        if scale.shape != (-(-rows // b0), -(-cols // b1)):
+            raise HFError(f"{path}: {scale_name} has shape {scale.shape}, not one scale per "
+                          f"{b0} x {b1} block of {name}'s {rows} x {cols}")
+        scale = np.repeat(np.repeat(scale, b0, axis=0), b1, axis=1)[:rows, :cols]
+        return self._raw(name).astype(np.float32) * scale
+
+    def _raw(self, name: str) -> np.ndarray:
+        """A tensor's stored values (safetensors' numpy interface has no float8): its
+        bytes, at the offsets the file's header gives."""
+        path, dtype, shape = self.where[name]
+        with open(path, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+            start, end = header[name]["data_offsets"]
+            fh.seek(fh.tell() + start)
+            return np.frombuffer(fh.read(end - start), _FP8[dtype]).reshape(shape)
 
 
 # ---------------------------------------------------------------- whole models
@@ -488,6 +575,10 @@ def params_to_hf(params: dict, cfg: Config, family: str):
         yield from layer_tensors(_layer(params, cfg, i), cfg, family, i).items()
     yield "model.norm.weight", np.asarray(params["final_norm"]["scale"])
     yield "lm_head.weight", np.asarray(params["head"]).T
+    if family in WITH_MTP:  # the others have no place for them: generation never runs them
+        for i in range(cfg.model.mtp_layers):
+            yield from mtp_tensors(_index(params["mtp_layers"], i), params, cfg, family,
+                                   i).items()
 
 
 def _shapes_only(tree):
@@ -544,6 +635,18 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, dtype: str = "float32
     return config
 
 
+def _check_shared_copies(read, params: dict, m) -> None:
+    """The embedding and head copies a checkpoint keeps with each multi-token prediction
+    layer must be the model's: jaxmoe shares them."""
+    for i in range(m.mtp_layers):
+        pre = f"model.layers.{m.num_layers + i}."
+        for name, shared in (("embed_tokens.weight", params["embed"]),
+                             ("shared_head.head.weight", params["head"].T)):
+            if pre + name in read.where and not np.array_equal(read(pre + name), shared):
+                raise HFError(f"{read.directory}: {pre + name} differs from the model's "
+                              "(jaxmoe's multi-token prediction shares the embedding and head)")
+
+
 def read_config(directory: str | Path) -> tuple[dict, Config]:
     """(config.json, its jaxmoe Config) of a Hugging Face checkpoint directory."""
     directory = Path(directory).expanduser().absolute()
@@ -562,8 +665,16 @@ def load_hf(directory: str | Path) -> tuple[dict, Config]:
     is read."""
     directory = Path(directory).expanduser().absolute()
     hf, cfg = read_config(directory)
-    read = SafetensorsReader(directory)
-    family, m = hf["model_type"], cfg.model
+    quantized = hf.get("quantization_config")
+    read = SafetensorsReader(directory, quantized and tuple(quantized["weight_block_size"]))
+    family, m = ALIASES.get(hf["model_type"], hf["model_type"]), cfg.model
+    if m.mtp_layers and f"model.layers.{m.num_layers}.eh_proj.weight" not in read.where:
+        warnings.warn(f"{directory}: config.json names {m.mtp_layers} multi-token prediction "
+                      "layer(s) and the checkpoint holds none (transformers saves none); "
+                      "imported without them", stacklevel=2)
+        raw = cfg.to_dict()
+        cfg = config_from_dict({**raw, "model": {**raw["model"], "mtp_layers": 0}})
+        m = cfg.model
     try:
         params = {"embed": read("model.embed_tokens.weight"),
                   "head": np.ascontiguousarray(read("lm_head.weight").T),
@@ -573,6 +684,10 @@ def load_hf(directory: str | Path) -> tuple[dict, Config]:
         if m.num_dense_layers:
             params["dense_layers"] = _stack(layers[:m.num_dense_layers])
         params["moe_layers"] = _stack(layers[m.num_dense_layers:])
+        if m.mtp_layers:
+            params["mtp_layers"] = _stack([read_mtp(read, cfg, family, i)
+                                           for i in range(m.mtp_layers)])
+            _check_shared_copies(read, params, m)
         check_params(params, cfg)
     except ValueError as e:  # a reshape that does not fit, or check_params's verdict
         if isinstance(e, HFError):

@@ -117,8 +117,14 @@ class Kernels:
     def cudnn_head_max(self) -> int:
         """cuDNN's flash attention takes heads up to 256 from Hopper on, 128 before. JAX
         checks the architecture on the GPU of the process that traces, so a program
-        traced on a host without one (a deviceless compile) gets 128 whatever its target."""
+        traced on a host without one gets 128 whatever its target, unless it is traced
+        as the target's (`jaxmoe.plan.targets.traced_on`, the planner's)."""
+        return 256 if self._cudnn_hopper else 128
+
+    @property
+    def _cudnn_hopper(self) -> bool:
+        """Hopper or later, as JAX's check on the tracing host answers too."""
         if not (self.cuda and self.compute_capability >= (9, 0)):
-            return 128
-        import jax
-        return 256 if jax.default_backend() == "gpu" else 128
+            return False
+        from jax._src.cudnn import fused_attention_stablehlo as fused
+        return fused.check_compute_capability("9.0")

@@ -100,18 +100,32 @@ def state_shardings(cfg: Config, layout: GlobalLayout, tx: optax.GradientTransfo
 
 
 def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout: LocalLayout) -> Callable:
-    """`loss_fn(working, buffers, tokens_BxL1, key, copies) -> (loss, (ce, aux))`: the
-    mean next-token loss of the rows given, plus the router losses, of the working
-    copy of the parameters (the one the model computes with); `copies`: its expert
-    weights' MXFP8 copies (`mx_copies`; {} without MXFP8 experts)."""
-    has_moe, moe = cfg.num_moe_layers > 0, cfg.moe
+    """`loss_fn(working, buffers, tokens_BxLn, key, copies) -> (loss, (ce, aux))`: the
+    mean next-token loss of the rows given, plus the multi-token prediction and
+    router losses, of the working copy of the parameters (the one the model computes
+    with); `copies`: its expert weights' MXFP8 copies (`mx_copies`; {} without MXFP8
+    experts). tokens_BxLn: each row's inputs and the `tokens_after` tokens
+    after them. With MTP modules their layers' router stats follow the main
+    layers' in aux, and aux["mtp_ce"] holds their cross-entropies."""
+    has_moe, moe, t = cfg.num_moe_layers > 0, cfg.moe, cfg.train
+    N = cfg.model.mtp_layers
 
-    def loss_fn(working, buffers, tokens_BxL1, key, copies):
+    def loss_fn(working, buffers, tokens_BxLn, key, copies):
         model = nnx.merge(graphdef, with_mx_copies(working, copies), buffers)
-        x, aux = model.hidden(tokens_BxL1[:, :-1], layout=layout, key=key, remat=cfg.train.remat)
-        ce = model.cross_entropy(x, tokens_BxL1[:, 1:], layout, cfg.train.loss_chunk)
+        L = tokens_BxLn.shape[1] - tokens_after(cfg)
+        x, aux = model.hidden(tokens_BxLn[:, :L], layout=layout, key=key, remat=t.remat)
+        ce = model.cross_entropy(x, tokens_BxLn[:, 1:L + 1], layout, t.loss_chunk)
         ce = layout.output_share(ce)
         loss = ce
+        if N:
+            # every pipeline stage runs them, as it does the head; the last one's count
+            mtp_ce, mtp_aux = model.mtp_losses(x, tokens_BxLn, layout=layout, key=key,
+                                               remat=t.remat, chunk=t.loss_chunk)
+            mtp_ce, mtp_aux = layout.output_share(mtp_ce), jax.tree.map(layout.output_share,
+                                                                        mtp_aux)
+            loss += t.mtp_loss_weight * jnp.mean(mtp_ce)
+            aux = {**{k: jnp.concatenate([v, mtp_aux[k]]) for k, v in aux.items()},
+                   "mtp_ce": mtp_ce}
         if has_moe:
             loss += moe.balance_loss_weight * jnp.mean(aux["balance_loss"])
             loss += moe.z_loss_weight * jnp.mean(aux["z_loss"])
@@ -135,6 +149,22 @@ def make_score_fn(cfg: Config, graphdef: nnx.GraphDef, layout: LocalLayout) -> C
         return layout.output_share(logprob_B), layout.output_share(greedy_B)
 
     return score_fn
+
+
+def tokens_after(cfg: Config) -> int:
+    """How many tokens a training row holds after its inputs: the last input's
+    target, and one further target per multi-token prediction module."""
+    return 1 + cfg.model.mtp_layers
+
+
+def with_tokens_after(cfg: Config, rows_BxL1: jax.Array) -> jax.Array:
+    """Rows of L + 1 tokens padded with zeros to L + `tokens_after` (targets past a
+    row's end, which multi-token prediction does not count)."""
+    return jnp.pad(rows_BxL1, ((0, 0), (0, cfg.model.mtp_layers)))
+
+
+# per-shard means among the losses' aux: totalled over shards, they are divided by their count
+SHARD_MEANS = (*MEAN_STATS, "mtp_ce")
 
 
 def accumulate_gradients(loss_fn: Callable, cfg: Config, params, buffers, batch_BxL1: jax.Array,
@@ -184,6 +214,8 @@ def step_metrics(cfg: Config, layout, loss, ce, aux, grad_norm, lr, finite, num_
     A = cfg.train.accumulation_steps
     metrics = {"loss": loss / A, "ce": ce / A, "grad_norm": grad_norm, "lr": lr,
                "skipped": (~finite).astype(jnp.int32)}
+    if cfg.model.mtp_layers:
+        metrics |= {"mtp_ce": jnp.mean(aux["mtp_ce"]) / A, "mtp_ce_depth": aux["mtp_ce"] / A}
     if cfg.num_moe_layers:
         aux = {**aux, **{k: aux[k] / A for k in MEAN_STATS}}
         metrics |= {k: jnp.mean(aux[k]) for k in MEAN_STATS}
@@ -205,7 +237,7 @@ def new_buffers(cfg: Config, layout, state: TrainState, aux, finite) -> nnx.Stat
     buffers = state.buffers
     if cfg.num_moe_layers and cfg.moe.expert_bias:
         buffers = update_expert_bias(buffers, aux["counts"], cfg.moe.bias_update_rate,
-                                     layout.own_share)
+                                     layout.own_share, cfg.model.mtp_layers)
     return jax.tree.map(lambda new, old: jnp.where(finite, new, old), buffers, state.buffers)
 
 
@@ -224,8 +256,8 @@ class AutoProgram:
     def __init__(self, cfg: Config, layout: GlobalLayout, use_specs: nnx.State):
         self.cfg, self.layout, self.use_specs = cfg, layout, use_specs
 
-    def start(self, step_key, batch_BxL1):
-        return step_key, self.own_rows(batch_BxL1)
+    def start(self, step_key, batch_BxLn, extra: int = 1):
+        return step_key, self.own_rows(batch_BxLn, extra)
 
     def own_rows(self, batch_BxN, extra: int = 1):
         return batch_BxN
@@ -252,8 +284,8 @@ class AutoProgram:
     def gathered(self, params):
         return params
 
-    def tokens(self, rows_BxL1) -> int:
-        return rows_BxL1.shape[0] * (rows_BxL1.shape[1] - 1)
+    def tokens(self, rows_BxLn, extra: int = 1) -> int:
+        return rows_BxLn.shape[0] * (rows_BxLn.shape[1] - extra)
 
 
 class DeviceProgram:
@@ -288,14 +320,14 @@ class DeviceProgram:
                 and bool(r.scatter_axes) and r.dim >= 2
                 and all(self.mesh.shape[a] == 1 for a in r.sum_axes))
 
-    def start(self, step_key, rows_bxL1):
+    def start(self, step_key, rows_bxLn, extra: int = 1):
         # own router jitter
         key = jax.random.fold_in(step_key, jax.lax.axis_index(TOKEN_AXES))
-        return key, self.own_rows(rows_bxL1)
+        return key, self.own_rows(rows_bxLn, extra)
 
     def own_rows(self, rows_bxN, extra: int = 1):
         """This device's part of its rows: under `context` its chunk of their positions
-        (and `extra` after it: tokens hold one more than their inputs). Rows, like the
+        (and the `extra` tokens after it, `tokens_after`). Rows, like the
         weights, vary over every axis (stage included), so that no use of a weight
         implies a reduction of its gradient."""
         if self.context > 1:
@@ -336,7 +368,7 @@ class DeviceProgram:
         # over every axis: stages hold disjoint layers (zeros elsewhere) and the
         # last stage's loss (`DeviceLayout.output_share`)
         total = lambda v: ddp.psum_everywhere(v, self.mesh.axis_names)  # noqa: E731
-        aux = {k: total(v) / (self.n_shards if k in MEAN_STATS else 1) for k, v in aux.items()}
+        aux = {k: total(v) / (self.n_shards if k in SHARD_MEANS else 1) for k, v in aux.items()}
         return total(loss) / self.n_shards, total(ce) / self.n_shards, aux
 
     def norm(self, grads):
@@ -349,15 +381,17 @@ class DeviceProgram:
         return params if self.sharded_master else jax.tree.map(ddp.gather_shards, params,
                                                                self.plans)
 
-    def tokens(self, rows_bxL1) -> int:
-        return self.n_shards * rows_bxL1.shape[0] * (rows_bxL1.shape[1] - 1)
+    def tokens(self, rows_bxLn, extra: int = 1) -> int:
+        return self.n_shards * rows_bxLn.shape[0] * (rows_bxLn.shape[1] - extra)
 
 
 def make_train_step(cfg: Config, program, loss_fn: Callable, tx, lr_at) -> Callable:
     """The one train step body, for either program."""
 
     def train_step(state: TrainState, batch_BxL1: jax.Array):
-        step_key, rows = program.start(jax.random.fold_in(state.key, state.step), batch_BxL1)
+        extra = tokens_after(cfg)
+        step_key, rows = program.start(jax.random.fold_in(state.key, state.step),
+                                       with_tokens_after(cfg, batch_BxL1), extra)
         with jax.named_scope("working_copy"):
             working = program.working(state.params)
         grads, loss, ce, aux = accumulate_gradients(loss_fn, cfg, working, state.buffers, rows,
@@ -376,7 +410,7 @@ def make_train_step(cfg: Config, program, loss_fn: Callable, tx, lr_at) -> Calla
         # The rate this update used: the schedule runs on the optimizer's count,
         # which skipped steps do not advance.
         metrics = step_metrics(cfg, program.layout, loss, ce, aux, grad_norm,
-                               lr_at(state.opt_state.count), finite, program.tokens(rows))
+                               lr_at(state.opt_state.count), finite, program.tokens(rows, extra))
         bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
         metrics["bad_steps"] = bad_steps
         metrics["overflowed"] = overflowed.astype(jnp.int32)
@@ -531,20 +565,25 @@ def check_optimizer(cfg: Config, mesh: Mesh, abs_params: nnx.State, shard_specs:
                           "on its own (adamw, lion, sgd, ...)")
 
 
-def update_expert_bias(buffers: nnx.State, counts_LmxE: jax.Array, rate: float,
-                       place: Callable = lambda delta: delta) -> nnx.State:
+def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float,
+                       place: Callable = lambda delta: delta, mtp_layers: int = 0) -> nnx.State:
     """Aux-loss-free balancing: nudge each expert's selection bias toward mean load.
 
-    Uses the step's requested counts summed over the global batch, in model order,
-    once per optimizer step, however often a layer was recomputed. `place` puts the
-    model-order updates where `buffers` hold their layers (a layout's `own_share`:
-    a pipeline stage's chunks, zero for padding slots).
+    Uses the step's requested counts summed over the global batch, in model order
+    (the MoE layers', then the `mtp_layers` multi-token prediction modules'), once per
+    optimizer step, however often a layer was recomputed. `place` puts the MoE
+    layers' updates where `buffers` hold their layers (a layout's `own_share`: a
+    pipeline stage's chunks, zero for padding slots).
     """
-    counts = counts_LmxE.astype(jnp.float32)
-    delta = place(rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts))
+    counts = counts_LxE.astype(jnp.float32)
+    delta = rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
+    Lm = counts.shape[0] - mtp_layers
+    main, mtp = place(delta[:Lm]), delta[Lm:]
 
     def nudge(path, b):  # a new tree: the step's input state must stay untouched
-        return b + delta if "router" in jax.tree_util.keystr(path) else b
+        if "router" not in jax.tree_util.keystr(path):
+            return b
+        return b + (mtp if any(getattr(k, "key", None) == "mtp_layers" for k in path) else main)
 
     return jax.tree_util.tree_map_with_path(nudge, buffers)
 

@@ -93,6 +93,12 @@ def test_shipped_configs_load():
      "moe": {"shared_expert_hidden": 48, "expert_bias": True, "num_experts": 6, "top_k": 3}},
     {"model": {"num_dense_layers": 2, "num_layers": 2}},
     {"model": {"qk_norm": "full", "num_kv_heads": 1}},
+    # MLA with a query bottleneck, and two multi-token prediction modules
+    {"model": {"attention": "mla", "qk_norm": "none", "num_kv_heads": 4, "q_lora_rank": 24,
+               "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+               "v_head_dim": 12, "mtp_layers": 2, "num_dense_layers": 1},
+     "moe": {"shared_expert_hidden": 48}},
+    {"model": {"mtp_layers": 1, "num_dense_layers": 2, "num_layers": 2}},  # dense modules
 ])
 def test_param_counts_match_model(raw):
     cfg = config_from_dict(raw)

@@ -297,6 +297,38 @@ def test_attention_is_cudnn_flash_attention():
     assert _score_buffers(_gpu_program("h100", attention, q, q, q), L)
 
 
+MLA = dict(model__attention="mla", model__qk_norm="none", model__num_kv_heads=4,
+           model__q_lora_rank=64, model__kv_lora_rank=32, model__qk_nope_head_dim=128,
+           model__qk_rope_head_dim=64, model__v_head_dim=128, model__mtp_layers=1,
+           train__seq_len=80)  # no other dimension of 80, for `_score_buffers`
+
+
+@pytest.mark.parametrize("target", ["h100", "b300"])
+def test_latent_attention_is_cudnn_flash_attention(target):
+    """MLA's heads, DeepSeek-V3's 192 wide (128 without RoPE, 64 with), values 128:
+    cuDNN's fused kernel forward and backward in every layer and the MTP module's,
+    which takes heads up to 256 from Hopper on once the trace asks as the target's
+    GPU (`targets.traced_on`, as the planner compiles), and no [L, L] scores."""
+    from jaxmoe.kernels import Kernels
+    from jaxmoe.plan.targets import traced_on
+
+    program, cfg = _compiled(target, **MLA)
+    L = cfg.train.seq_len
+    kernels = program_flops(program).kernels["attention"]
+    layers = cfg.model.num_layers + cfg.model.mtp_layers
+    A = BASE["train"]["accumulation_steps"]
+    # forward twice per slice (recomputed under remat: full), backward once
+    assert kernels.get("__cudnn$fmhaSoftmax") == 2 * A * layers
+    assert kernels.get("__cudnn$fmhaSoftmaxBackward") == A * layers
+    assert _score_buffers(program, L) == []
+    # companion: traced as this CPU host, JAX would refuse cuDNN 192-wide heads, and
+    # the kernel choice falls back to XLA's attention (the [L, L] scores)
+    device = virtual_devices(target, 1)[0]
+    assert Kernels.of([device]).attention(cfg.model) == "xla"
+    with traced_on(device):
+        assert Kernels.of([device]).attention(cfg.model) == "cudnn"
+
+
 # ------------------------------------------------------------------ two hosts
 
 

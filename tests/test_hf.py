@@ -131,6 +131,156 @@ def test_imports_with_the_same_logits_and_exports_the_same_tensors(family, tmp_p
         assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def _rewrite(directory, tensors: dict, **config):
+    """A checkpoint directory's tensors and config.json replaced (one file, no index)."""
+    from safetensors.numpy import save_file
+    for f in [*directory.glob("model*.safetensors"), directory / hf.INDEX]:
+        f.unlink(missing_ok=True)
+    save_file(tensors, directory / "model.safetensors", {"format": "pt"})
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+
+
+def _tensors(directory):
+    read = SafetensorsReader(directory)
+    return {name: read(name) for name in read.where}
+
+
+def test_multi_token_prediction_layers_import_and_export(tmp_path):
+    """DeepSeek-V3's MTP layer as its checkpoints store it (layer num_hidden_layers, its
+    own norms and projection, copies of the embedding and head), which transformers
+    neither builds nor saves."""
+    model = _hf_model("deepseek_v3-qlora", tmp_path / "hf")
+    tensors = _tensors(tmp_path / "hf")
+    n, D = 3, 64
+    rng = np.random.default_rng(0)
+    mtp = {k.replace("layers.2.", "layers.3."): v + 0.01 * rng.standard_normal(v.shape,
+                                                                                np.float32)
+           for k, v in tensors.items() if k.startswith("model.layers.2.")}
+    pre = f"model.layers.{n}."
+    mtp |= {pre + "enorm.weight": 1 + 0.1 * rng.standard_normal(D, np.float32),
+            pre + "hnorm.weight": 1 + 0.1 * rng.standard_normal(D, np.float32),
+            pre + "eh_proj.weight": 0.02 * rng.standard_normal((D, 2 * D), np.float32),
+            pre + "shared_head.norm.weight": 1 + 0.1 * rng.standard_normal(D, np.float32),
+            pre + "embed_tokens.weight": tensors["model.embed_tokens.weight"],
+            pre + "shared_head.head.weight": tensors["lm_head.weight"]}
+    _rewrite(tmp_path / "hf", {**tensors, **mtp}, num_nextn_predict_layers=1)
+    params, cfg = load_hf(tmp_path / "hf")
+    assert cfg.model.mtp_layers == 1
+    np.testing.assert_array_equal(params["mtp_layers"]["proj"][0], mtp[pre + "eh_proj.weight"].T)
+    np.testing.assert_array_equal(params["mtp_layers"]["block"]["attn"]["kv_a_norm"][0],
+                                  mtp[pre + "self_attn.kv_a_layernorm.weight"])
+    tokens = np.random.default_rng(1).integers(0, V, (2, 12))  # the main model is untouched
+    np.testing.assert_allclose(np.asarray(jaxmoe.apply(params, tokens, cfg)[0]),
+                               _logits(model, tokens), rtol=1e-4, atol=1e-4)
+    save_hf(params, cfg, tmp_path / "back")
+    back = _tensors(tmp_path / "back")
+    assert set(back) == set(tensors) | set(mtp)
+    for name, t in {**tensors, **mtp}.items():
+        np.testing.assert_array_equal(back[name], t, err_msg=name)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())[
+        "num_nextn_predict_layers"] == 1
+    # a copy of the head that is not the model's cannot be shared
+    _rewrite(tmp_path / "hf", {**tensors, **mtp, pre + "shared_head.head.weight":
+                               2 * tensors["lm_head.weight"]})
+    with pytest.raises(HFError, match=r"model.layers.3.shared_head.head.weight differs from "
+                                      r"the model's"):
+        load_hf(tmp_path / "hf")
+    # a config naming a layer the tensors lack (as transformers saves them): the model alone
+    _rewrite(tmp_path / "hf", tensors)
+    with pytest.warns(UserWarning, match="names 1 multi-token prediction layer"):
+        params, cfg = load_hf(tmp_path / "hf")
+    assert cfg.model.mtp_layers == 0 and "mtp_layers" not in params
+
+
+def _fp8_blocks(w, block):
+    """DeepSeek's block quantization of a [rows, cols] weight: e4m3 values and one
+    float32 scale per block (its largest magnitude over e4m3's 448)."""
+    import ml_dtypes
+    rows, cols = w.shape
+    b0, b1 = block
+    pad = np.pad(np.abs(w), ((0, -rows % b0), (0, -cols % b1)))
+    amax = pad.reshape(pad.shape[0] // b0, b0, pad.shape[1] // b1, b1).max(axis=(1, 3))
+    scale = (np.maximum(amax, 1e-12) / 448.0).astype(np.float32)
+    full = np.repeat(np.repeat(scale, b0, 0), b1, 1)[:rows, :cols]
+    return (w / full).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def test_fp8_block_quantized_weights_are_dequantized(tmp_path):
+    """The released DeepSeek-V3's (and Kimi-K2's) weights: e4m3 in 128 x 128 blocks
+    (here 16 x 16, so that tiny matrices hold several), each with a float32 scale."""
+    _hf_model("deepseek_v3-qlora", tmp_path / "hf")
+    tensors = _tensors(tmp_path / "hf")
+    block = (16, 16)
+    quantized, dequantized = {}, {}
+    for name, w in tensors.items():
+        if name.endswith("proj.weight"):  # attention and MLP projections, as released
+            q, scale = _fp8_blocks(w, block)
+            quantized |= {name: q, name + "_scale_inv": scale}
+            full = np.repeat(np.repeat(scale, 16, 0), 16, 1)[:w.shape[0], :w.shape[1]]
+            dequantized[name] = q.astype(np.float32) * full
+        else:
+            quantized[name] = dequantized[name] = w
+    config = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                      "activation_scheme": "dynamic", "weight_block_size": [16, 16]}}
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    _rewrite(tmp_path / "q", quantized, **config)
+    _rewrite(tmp_path / "hf", dequantized)
+    got, cfg = load_hf(tmp_path / "q")
+    want, _ = load_hf(tmp_path / "hf")
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    name = "model.layers.1.mlp.experts.0.down_proj.weight"
+    assert quantized[name + "_scale_inv"].shape == (4, 2)  # 64 x 32 in 16 x 16 blocks
+    # companions: the stored e4m3 values alone are not the weights; a scale of another
+    # block size, or fp8 weights without a quantization_config, are refused by name
+    assert np.abs(quantized[name].astype(np.float32) - dequantized[name]).max() > 1.0
+    _rewrite(tmp_path / "q", {**quantized, name + "_scale_inv": np.ones((2, 2), np.float32)})
+    with pytest.raises(HFError, match=r"_scale_inv has shape \(2, 2\), not one scale per 16 x 16"):
+        load_hf(tmp_path / "q")
+    _rewrite(tmp_path / "q", quantized, quantization_config=None)
+    with pytest.raises(HFError, match="has dtype F8_E4M3"):
+        load_hf(tmp_path / "q")
+
+
+# Kimi-K2-Instruct's config.json: DeepSeek-V3's architecture, its own model_type and values
+KIMI_K2 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "attention_bias": False,
+    "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 7168,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 131072,
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 384,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 0, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 50000.0,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                            "quant_method": "fp8", "weight_block_size": [128, 128]},
+    "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "topk_group": 1,
+    "topk_method": "noaux_tc", "tie_word_embeddings": False, "v_head_dim": 128,
+    "vocab_size": 163840}
+
+
+def test_kimi_k2_config_imports():
+    from jaxmoe.config import param_counts
+    cfg = hf.config_from_hf(KIMI_K2)
+    assert hf.family_for(cfg) == "deepseek_v3"
+    m, moe = cfg.model, cfg.moe
+    assert (m.attention, m.num_layers, m.num_dense_layers, m.num_heads, m.yarn_factor,
+            m.rope_interleave, moe.num_experts, moe.top_k, moe.routing_groups,
+            moe.gate_scale) == ("mla", 61, 1, 64, 32.0, True, 384, 8, 1, 2.827)
+    counts = param_counts(cfg)  # Moonshot's figures: 1.04T total, 32.6B activated
+    assert 1.02e12 < counts.total < 1.05e12 and 32e9 < counts.active < 33.5e9
+    for change, message in [({"scoring_func": "softmax"}, r"scoring_func \(jaxmoe's"),
+                            ({"topk_method": "greedy"}, r"topk_method \(jaxmoe routes"),
+                            ({"quantization_config": {"quant_method": "fp8"}},
+                             r"quantization_config")]:
+        with pytest.raises(HFError, match=message):
+            hf.config_from_hf({**KIMI_K2, **change})
+
+
 def test_refusals_are_named(tmp_path):
     tiny = jaxmoe.config_from_dict({"moe": {"expert_bias": True}})  # the default job's router
     with pytest.raises(HFError, match=r"moe.expert_bias \(a selection bias beside a softmax "
@@ -197,7 +347,8 @@ TRAINED = {
                   "groups_per_token": 1}),
     "deepseek_v3": ({"attention": "mla", "qk_norm": "none", "num_kv_heads": 2,
                      "q_lora_rank": 16, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
-                     "qk_rope_head_dim": 8, "v_head_dim": 12, "rope_interleave": True},
+                     "qk_rope_head_dim": 8, "v_head_dim": 12, "rope_interleave": True,
+                     "mtp_layers": 1},
                     {"score_func": "sigmoid", "expert_bias": True, "shared_expert_hidden": 32,
                      "gate_scale": 2.5, "routing_groups": 2, "groups_per_token": 1}),
 }
@@ -243,6 +394,10 @@ def test_a_trained_model_exports_to_transformers_with_the_same_text(family, tmp_
         theirs = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
                                 do_sample=False, eos_token_id=None, pad_token_id=vocab - 1)
     np.testing.assert_array_equal(ours, theirs.numpy()[:, tokens.shape[1]:])
+    if saved.model.mtp_layers:  # trained prediction modules travel too, where transformers
+        imported, _ = load_hf(tmp_path / "hf")  # keeps them but never runs them
+        jax.tree.map(np.testing.assert_array_equal, imported["mtp_layers"],
+                     jax.tree.map(np.asarray, params["mtp_layers"]))
 
 
 def test_init_from_hf_starts_a_run_from_the_checkpoint(tmp_path):
@@ -289,7 +444,11 @@ def test_every_shipped_config_has_a_family(path, tmp_path):
 
     shipped = load_config(path)
     ratio = shipped.moe.shared_expert_hidden // shipped.moe.expert_hidden
-    cfg = jaxmoe.api.local_config(load_config(path, TOY + [
+    mla = [] if shipped.model.attention != "mla" else [
+        "model.num_kv_heads=2", "model.kv_lora_rank=8", "model.qk_nope_head_dim=8",
+        "model.qk_rope_head_dim=8", "model.v_head_dim=8",
+        f"model.q_lora_rank={8 if shipped.model.q_lora_rank else 0}"]
+    cfg = jaxmoe.api.local_config(load_config(path, TOY + mla + [
         f"model.num_layers={shipped.model.num_dense_layers + 2}",
         f"moe.shared_expert_hidden={16 * ratio}"]))
     family = hf.family_for(cfg)

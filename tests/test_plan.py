@@ -150,3 +150,26 @@ def test_trillion_configs_fit_a_b300_with_headroom(tmp_path, config, hosts_in_ex
     assert roof["model_tflops_per_device"] < bound["model_tflops_bound"]
     if hosts_in_exchange == 1:
         assert roof["model_tflops_per_device"] >= 858 and roof["synchronous_collectives"] == 0
+
+
+@pytest.mark.slow
+def test_deepseek_v3_config_fits_128_b300s(tmp_path):
+    """DeepSeek-V3's shape (MLA, 256 experts top-8 in groups, MTP), compiled for 128
+    virtual B300s on data 2 x stage 8 x expert 8: it fits, its attention is cuDNN's
+    fused kernel (192-wide heads), its expert exchange stays within each host, the
+    MTP module runs (its layer's attention beside the 61), and MaxText's measured
+    1,068 TFLOP/s is printed beside the prediction."""
+    out = tmp_path / "plan.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxmoe.plan.planner", "--config", "configs/deepseek_v3_671b.yaml",
+         "--target", "b300", "--reference-tflops", "1068", "--json", str(out)],
+        capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(out.read_text())
+    assert plan["devices"] == 128 and plan["fits"] and plan["bytes_per_device"]["peak"] < 288e9
+    assert plan["kernels"]["attention"] == "cudnn" and plan["kernels"]["native_mxfp8"]
+    assert plan["collective_bytes_across_hosts"].get("all-to-all", 0) == 0
+    assert 682e9 < plan["params_total"] < 683e9  # 671B and the MTP module's 11.6B
+    # a latent of 512 and a RoPE key of 64 per layer, bf16: no per-head K/V
+    assert plan["kv_cache_bytes_per_token"] == 61 * (512 + 64) * 2
+    assert "by the reference: 1,068" in result.stdout

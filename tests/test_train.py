@@ -86,7 +86,7 @@ def test_main_rejects_bad_override(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny", "cpu8_ep", "cpu8_pipeline"])
+@pytest.mark.parametrize("name", ["tiny", "cpu8_ep", "cpu8_pipeline", "deepseek_tiny"])
 def test_shipped_config_trains(tmp_path, name):
     from jaxmoe.config import load_config
     path = Path(__file__).parent.parent / "configs" / f"{name}.yaml"
@@ -96,6 +96,11 @@ def test_shipped_config_trains(tmp_path, name):
                              "logging.log_every=1"])
     summary = train(cfg, load_corpus("stdlib", None, 256, cfg.train.seq_len))
     assert np.isfinite(summary["heldout_loss"])
+    if cfg.model.mtp_layers:  # the prediction modules' loss, logged apart from the main one
+        logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text()
+                  .splitlines()]
+        mtp = [r["mtp_ce"] for r in logged if "mtp_ce" in r]
+        assert len(mtp) == 3 and all(np.isfinite(mtp))
 
 
 def _logged_steps(run_dir):

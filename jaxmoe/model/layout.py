@@ -50,6 +50,11 @@ class LocalLayout:
         (here whole sequences: 0 .. length - 1)."""
         return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
 
+    def sequence_length(self, length: int) -> int:
+        """The length of the sequences whose `length` positions the call holds (here
+        whole sequences: `length`)."""
+        return length
+
     def attend(self, attention, q_BxLxHxHd, k_BxLxGxHd, v_BxLxGxHd) -> jax.Array:
         """attention(q, k, v), causal over whole sequences, for this call's positions."""
         return attention(q_BxLxHxHd, k_BxLxGxHd, v_BxLxGxHd)

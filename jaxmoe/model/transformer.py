@@ -25,6 +25,7 @@ from jaxmoe.model.layers import MLP, RMSNorm, param
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
 from jaxmoe.model.mla import LatentAttention
 from jaxmoe.model.moe import MoE
+from jaxmoe.model.mtp import MTPModule, valid_targets
 from jaxmoe.model.remat import LAYER_INPUT, REMAT_POLICIES
 
 
@@ -107,9 +108,11 @@ def map_moe_stack(fn, tree):
                                             tree)
 
 
-def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs, held=None) -> Block:
+def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs, held=None,
+           mtp: bool = False) -> Block | MTPModule:
     """n blocks stacked on a leading `layers` axis, layer i drawn from the i-th of the
-    rng stream's splits (a prefix of any longer split's).
+    rng stream's splits (a prefix of any longer split's). mtp: multi-token prediction
+    modules around the blocks, on an axis of their own (`mtp_layers`).
 
     held: a `StageStack` (a pipeline's): the stack made as its stages hold it,
     [W, S, per, ...], the same layers as ever at their model-order positions and
@@ -118,12 +121,15 @@ def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs, held=None) -> Blo
     """
     # MoE layers are what pipeline stages split ("layers" -> stage); the few dense
     # layers in front run replicated, like the embedding.
-    axis = "layers" if use_moe else "dense_layers"
+    axis = "mtp_layers" if mtp else "layers" if use_moe else "dense_layers"
 
     def make(key, count):
         r = nnx.Rngs(params=key)
         r.params.count[...] = count
-        return Block(cfg, use_moe, r)
+        block = Block(cfg, use_moe, r)
+        if mtp:
+            return MTPModule(cfg.model.d_model, cfg.model.norm_eps, init_stds(cfg)[0], block, r)
+        return block
 
     make = nnx.vmap(make, in_axes=(0, 0), out_axes=0,
                     transform_metadata={nnx.PARTITION_NAME: axis})
@@ -189,6 +195,8 @@ class Transformer(nnx.Module):
             self.dense_layers = _stack(cfg, False, m.num_dense_layers, rngs)
         if cfg.num_moe_layers:
             self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, rngs, held)
+        if m.mtp_layers:
+            self.mtp_layers = _stack(cfg, cfg.num_moe_layers > 0, m.mtp_layers, rngs, mtp=True)
         self.final_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
         self.head = param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.init_std)
         self.cfg = cfg
@@ -219,6 +227,42 @@ class Transformer(nnx.Module):
             x, aux = layout.run_moe_stack(self, x, positions_BxL, key, remat)
         return x, aux
 
+    def mtp_losses(self, h_BxLxD: jax.Array, tokens_BxLn: jax.Array, *,
+                   layout: LocalLayout = LOCAL_LAYOUT, key: jax.Array | None = None,
+                   remat: str = "none", chunk: int = 0) -> tuple[jax.Array, dict]:
+        """The multi-token prediction modules' cross-entropies [N] (each the mean over
+        the positions whose target lies in their row) and their layers' aux stacked
+        [N, ...] ({} without MoE layers), from `hidden`'s output h over L inputs.
+        tokens_BxLn: the L inputs and the 1 + N tokens after them (zeros past a row's
+        end; `jaxmoe.model.mtp`)."""
+        N = self.cfg.model.mtp_layers
+        B, L, _ = h_BxLxD.shape
+        positions_BxL = layout.positions(B, L)
+        length = layout.sequence_length(L)
+        graphdef, state = nnx.split(self.mtp_layers)
+        keys = None if key is None else jax.random.split(jax.random.fold_in(key, 1), N)
+
+        def depth(module_state, h, embedded, k):
+            return nnx.merge(graphdef, module_state)(h, embedded, positions_BxL, layout, k)
+
+        if remat != "none":
+            layer = jax.checkpoint(depth, policy=REMAT_POLICIES[remat], prevent_cse=False)
+            depth = lambda st, h, *xs: layer(st, checkpoint_name(h, LAYER_INPUT), *xs)  # noqa: E731
+        ces, auxes = [], []
+        for d in range(1, N + 1):
+            module_state = jax.tree.map(lambda a: a[d - 1], state)  # noqa: B023
+            with jax.named_scope(f"mtp_{d}"):
+                embedded = self.embed[...][tokens_BxLn[:, d:d + L]].astype(
+                    jnp.dtype(self.cfg.model.compute_dtype))
+                h_BxLxD, aux = depth(module_state, h_BxLxD, embedded,
+                                     None if keys is None else keys[d - 1])
+                ce = self.cross_entropy(h_BxLxD, tokens_BxLn[:, d + 1:d + 1 + L], layout, chunk,
+                                        nnx.merge(graphdef, module_state).out_norm,
+                                        valid_targets(positions_BxL, length, d))
+            ces.append(ce * length / (length - d))  # the mean over counted positions
+            auxes.append(aux)
+        return jnp.stack(ces), jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
     def moe_stack(self) -> tuple[nnx.GraphDef, nnx.State]:
         """The MoE layers' graphdef and stacked state: [Lm, ...] in model order, or
         [W, S, per, ...] for a model made `held` by pipeline stages."""
@@ -229,10 +273,12 @@ class Transformer(nnx.Module):
         graphdef, state = self.moe_stack()
         return scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat)
 
-    def logits(self, x_BxLxD: jax.Array, layout: LocalLayout = LOCAL_LAYOUT) -> jax.Array:
-        """Final norm and LM head: fp32 logits [B, L, V]."""
+    def logits(self, x_BxLxD: jax.Array, layout: LocalLayout = LOCAL_LAYOUT,
+               norm: RMSNorm | None = None) -> jax.Array:
+        """Final norm (or `norm`: a multi-token prediction module's) and LM head: fp32
+        logits [B, L, V]."""
         with jax.named_scope("lm_head"):
-            x_BxLxD = self.final_norm(x_BxLxD)
+            x_BxLxD = (norm or self.final_norm)(x_BxLxD)
             logits = jnp.einsum("bld,dv->blv", x_BxLxD, self.head[...].astype(x_BxLxD.dtype))
             return layout.constrain_batch(logits).astype(jnp.float32)
 
@@ -258,23 +304,29 @@ class Transformer(nnx.Module):
 
     def cross_entropy(self, x_BxLxD: jax.Array, targets_BxL: jax.Array,
                       layout: LocalLayout = LOCAL_LAYOUT,
-                      chunk: int = 0) -> jax.Array:
-        """Mean next-token cross-entropy from `hidden`'s output. chunk > 0: the head
+                      chunk: int = 0, norm: RMSNorm | None = None,
+                      counted_BxL: jax.Array | None = None) -> jax.Array:
+        """Mean next-token cross-entropy from `hidden`'s output (`norm`: see `logits`),
+        over all B x L positions, those not `counted` adding zero. chunk > 0: the head
         runs `chunk` positions at a time, recomputed in the backward pass, so only
         [B, chunk, V] logits exist at once."""
         B, L, _ = x_BxLxD.shape
+
+        def ce_sum(x_BxLbxD, targets_BxLb, counted_BxLb=None):
+            logits = self.logits(x_BxLbxD, layout, norm)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxLb)
+            return jnp.sum(ce if counted_BxLb is None else jnp.where(counted_BxLb, ce, 0.0))
+
         if not chunk or chunk >= L:
-            logits = self.logits(x_BxLxD, layout)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxL).mean()
+            return ce_sum(x_BxLxD, targets_BxL, counted_BxL) / (B * L)
 
         @jax.checkpoint
         def chunk_ce(total, xs):
-            x_BxLbxD, targets_BxLb = xs
-            logits = self.logits(x_BxLbxD, layout)
-            return total + optax.softmax_cross_entropy_with_integer_labels(
-                logits, targets_BxLb).sum(), None
+            return total + ce_sum(*xs), None
 
         xs = (_chunks(x_BxLxD, chunk), _chunks(targets_BxL, chunk))
+        if counted_BxL is not None:
+            xs += (_chunks(counted_BxL, chunk),)
         # a zero that varies over the same mesh axes as x (inside the ddp step)
         zero = jnp.zeros_like(x_BxLxD[0, 0, 0], dtype=jnp.float32)
         total, _ = jax.lax.scan(chunk_ce, zero, xs)

@@ -183,6 +183,9 @@ class DeviceLayout(GlobalLayout):
         positions_BxL = super().positions(batch, length)
         return positions_BxL + context.chunk_offset(length) if self.context > 1 else positions_BxL
 
+    def sequence_length(self, length: int) -> int:
+        return length * self.context
+
     def attend(self, attention, q_BxLxHxHd, k_BxLxGxHd, v_BxLxGxHd) -> jax.Array:
         if self.context == 1:
             return attention(q_BxLxHxHd, k_BxLxGxHd, v_BxLxGxHd)

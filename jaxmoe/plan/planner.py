@@ -115,7 +115,7 @@ def compile_train_step(cfg, target: str | None = None, hosts: int | None = None,
     from jaxmoe import checkpoint
     from jaxmoe.sharding import make_mesh
     from jaxmoe.step import build_steps
-    from jaxmoe.plan.targets import compile_deviceless, virtual_devices
+    from jaxmoe.plan.targets import compile_deviceless, traced_on, virtual_devices
 
     devices = None
     if target is not None:
@@ -125,8 +125,12 @@ def compile_train_step(cfg, target: str | None = None, hosts: int | None = None,
     t = cfg.train
     batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jnp.int32,
                                  sharding=steps.batch_sharding)
-    # kernel libraries that read JAX's default device (tokamax) see the target's
-    with jax.default_device(devices[0]) if devices else contextlib.nullcontext():
+    # kernel libraries that read JAX's default device (tokamax), and JAX's own checks of
+    # what cuDNN takes, see the target's
+    with contextlib.ExitStack() as on_target:
+        if devices:
+            on_target.enter_context(jax.default_device(devices[0]))
+            on_target.enter_context(traced_on(devices[0]))
         lowered = steps.train_step.trace(abstract, batch).lower()
     dump = None if dump_to is None else {
         "xla_dump_to": dump_to, "xla_dump_hlo_as_text": True, "xla_dump_hlo_pass_re": "^$",
@@ -327,9 +331,12 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
 def step_kernels(mesh, cfg) -> dict:
     """The device-dependent choices the compiled step made (`jaxmoe.kernels`)."""
     from jaxmoe.kernels import Kernels
+    from jaxmoe.plan.targets import traced_on
     k = Kernels.of_mesh(mesh)
     ragged = cfg.num_moe_layers and cfg.moe.dispatcher == "ragged"
-    return {"device_kind": k.device_kind, "attention": k.attention(cfg.model),
+    with traced_on(k.device):  # as `compile_train_step` traced it
+        attention = k.attention(cfg.model)
+    return {"device_kind": k.device_kind, "attention": attention,
             "native_mxfp8": k.native_mxfp8 and cfg.moe.expert_precision == "mxfp8",
             "ragged_exchange": ("native" if k.native_ragged_exchange else "cpu stand-in")
             if ragged else "-",

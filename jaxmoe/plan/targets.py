@@ -15,6 +15,7 @@ no CUDA topology to offer); `python -m jaxmoe.plan` sets it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
 from dataclasses import dataclass
@@ -129,3 +130,26 @@ def compile_deviceless(lowered, compiler_options: dict | None = None):
         return lowered.compile(compiler_options)
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
+
+
+@contextlib.contextmanager
+def traced_on(device):
+    """Trace as a host with `device` (a GPU, virtual or not) would. JAX asks the
+    tracing process's own GPU what cuDNN's fused attention takes (heads over 128
+    wide from Hopper on: MLA's 192); a CPU host has none, so the question is answered with `device`'s compute
+    capability for the trace. Private to JAX: checked by the GPU-compile tests."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    cc = getattr(device, "compute_capability", None)
+    if cc is None:
+        yield
+        return
+    have = tuple(int(v) for v in str(cc).split(".")[:2])
+    wanted = lambda capability: tuple(int(v) for v in capability.split("."))  # noqa: E731
+    saved = fused.check_compute_capability, fused.is_cuda_compute_capability_equal
+    fused.check_compute_capability = lambda c: have >= wanted(c)
+    fused.is_cuda_compute_capability_equal = lambda c: have == wanted(c)
+    try:
+        yield
+    finally:
+        fused.check_compute_capability, fused.is_cuda_compute_capability_equal = saved
