@@ -112,17 +112,18 @@ def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout: LocalLayout) -> Ca
 
     def loss_fn(working, buffers, tokens_BxLn, key, copies):
         model = nnx.merge(graphdef, with_mx_copies(working, copies), buffers)
+        tokens_BxLn = layout.own_rows(tokens_BxLn)
         L = tokens_BxLn.shape[1] - tokens_after(cfg)
         x, aux = model.hidden(tokens_BxLn[:, :L], layout=layout, key=key, remat=t.remat)
         ce = model.cross_entropy(x, tokens_BxLn[:, 1:L + 1], layout, t.loss_chunk)
         ce = layout.output_share(ce)
         loss = ce
         if N:
-            # every pipeline stage runs them, as it does the head; the last one's count
             mtp_ce, mtp_aux = model.mtp_losses(x, tokens_BxLn, layout=layout, key=key,
                                                remat=t.remat, chunk=t.loss_chunk)
-            mtp_ce, mtp_aux = layout.output_share(mtp_ce), jax.tree.map(layout.output_share,
-                                                                        mtp_aux)
+            mtp_ce = layout.output_share(mtp_ce)
+            mtp_aux = {k: (layout.output_share if k in MEAN_STATS else layout.output_sum)(v)
+                       for k, v in mtp_aux.items()}
             loss += t.mtp_loss_weight * jnp.mean(mtp_ce)
             aux = {**{k: jnp.concatenate([v, mtp_aux[k]]) for k, v in aux.items()},
                    "mtp_ce": mtp_ce}
@@ -366,7 +367,7 @@ class DeviceProgram:
 
     def totals(self, loss, ce, aux):
         # over every axis: stages hold disjoint layers (zeros elsewhere) and the
-        # last stage's loss (`DeviceLayout.output_share`)
+        # last stage's loss, or a share of it each (`output_share`)
         total = lambda v: ddp.psum_everywhere(v, self.mesh.axis_names)  # noqa: E731
         aux = {k: total(v) / (self.n_shards if k in SHARD_MEANS else 1) for k, v in aux.items()}
         return total(loss) / self.n_shards, total(ce) / self.n_shards, aux
@@ -511,8 +512,11 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
         program = DeviceProgram(cfg, model_layout, use_specs, shard_specs)
         specs = jax.tree.map(lambda s: s.spec, shardings,
                              is_leaf=lambda x: isinstance(x, NamedSharding))
+        # a loss slice's rows per device
+        rows = cfg.train.batch_size // math.prod(mesh.shape[a] for a in BATCH_AXES)
+        loss_layout = model_layout.rows_split_over_stages(rows // cfg.train.accumulation_steps)
         train_step = jax.shard_map(
-            make_train_step(cfg, program, make_loss_fn(cfg, graphdef, model_layout), tx, lr_at),
+            make_train_step(cfg, program, make_loss_fn(cfg, graphdef, loss_layout), tx, lr_at),
             mesh=mesh, in_specs=(specs, P(BATCH_AXES)), out_specs=(specs, P()), check_vma=True)
         rows = P(BATCH_AXES)
         on_mesh = lambda f: jax.shard_map(  # noqa: E731

@@ -188,3 +188,42 @@ def test_the_safetensors_export_names_each_module():
     assert tensors["mtp.0.block.moe.experts.w_down"][1] == ["experts", "expert_mlp", "embed"]
     assert sum(v.size for v, _ in tensors.values()) == param_counts(cfg).total
 
+
+PIPELINE = ({"data": 1, "stage": 2, "expert": 4}, "alltoall", {"stage_microbatches": 2})
+
+
+def _lm_head_flops(cfg, monkeypatch=None, whole_rows=False):
+    """The LM head's FLOPs (the main head and the MTP modules') in the step XLA:CPU
+    compiles for `cfg`, per device; whole_rows: every stage runs all its rows."""
+    from jaxmoe.parallel.layout import DeviceLayout as Layout
+    from jaxmoe.plan.hlo import Program
+    from jaxmoe.plan.program_flops import program_flops
+    from jaxmoe.sharding import make_mesh
+    from jaxmoe.step import build_steps
+
+    if whole_rows:
+        monkeypatch.setattr(Layout, "rows_split_over_stages", lambda self, rows: self)
+    steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
+    state = steps.init(jax.random.PRNGKey(0))
+    rows = jax.device_put(batch(cfg), steps.batch_sharding)
+    program = Program(steps.train_step.lower(state, rows).compile().as_text())
+    return program_flops(program).total("lm_head")
+
+
+def test_stages_share_the_work_outside_the_pipeline(one_device, monkeypatch):
+    """Under pipeline stages each stage runs the embedding, dense layers, head and
+    MTP modules on its half of the device's rows (`StageRowsLayout`): half the head's
+    FLOPs of every stage running all of them, with the one-device step's numbers
+    (`test_trains_as_one_device`). Companion: stages that each take the first half
+    instead of their own miss half the rows, and the step differs."""
+    from jaxmoe.parallel.layout import StageRowsLayout
+
+    cfg = _cfg(*PIPELINE[:2], pipeline=PIPELINE[2])
+    shared = _lm_head_flops(cfg)
+    with monkeypatch.context() as m:
+        whole = _lm_head_flops(cfg, m, whole_rows=True)
+    assert whole == pytest.approx(2 * shared, rel=1e-6)
+    monkeypatch.setattr(StageRowsLayout, "own_rows",
+                        lambda self, rows: rows[:rows.shape[0] // self.stages])
+    got = first_step(cfg)
+    assert abs(got[0]["ce"] - one_device[0]["ce"]) > 1e-4

@@ -173,3 +173,13 @@ def test_deepseek_v3_config_fits_128_b300s(tmp_path):
     # a latent of 512 and a RoPE key of 64 per layer, bf16: no per-head K/V
     assert plan["kv_cache_bytes_per_token"] == 61 * (512 + 64) * 2
     assert "by the reference: 1,068" in result.stdout
+
+
+def test_gb300_is_the_b300_chip_on_a_rack_of_nvlink():
+    """`--target gb300`: the B300's device spec and datasheet, 72 GPUs to an NVLink
+    domain; 128 GPUs are 2 domains of 64, where HGX B300 makes 16 hosts of 8."""
+    from jaxmoe.plan.targets import get_target, topology
+    gb, b = get_target("gb300"), get_target("b300")
+    assert (gb.device_kind, gb.memory, gb.compute_capability, gb.peak("fp8")) == \
+        (b.device_kind, b.memory, b.compute_capability, b.peak("fp8"))
+    assert topology(gb, 128) == "1x2x64" and topology(b, 128) == "1x16x8"

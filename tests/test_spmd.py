@@ -235,14 +235,20 @@ def _bf16_close(got, want):
             jax.tree.map(lambda g, w: close(g, w, wrong), got, want)
 
 
-def _compiled_step(mesh, accumulation, dispatcher="alltoall", pipeline=None):
+def _compiled_step(mesh, accumulation, dispatcher="alltoall", pipeline=None, stage_rows=None):
+    """Per kind, the step's collectives but those that hand a slice's rows between
+    pipeline stages (`StageRowsLayout`, scope `stage_rows`: activations, once per
+    slice), which go to `stage_rows` (a list) when given."""
     cfg = _cfg(mesh, accumulation, dispatcher=dispatcher, pipeline=pipeline,
                balance_scope="microbatch")
     steps = build_steps(cfg, make_mesh(cfg.mesh))
     state = abstract_target(steps)
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, 17), jnp.int32,
                                  sharding=steps.batch_sharding)
-    return totals(compiled_collectives(steps.train_step.lower(state, batch).compile()))
+    ops = compiled_collectives(steps.train_step.lower(state, batch).compile())
+    if stage_rows is not None:
+        stage_rows += [c for c in ops if "stage_rows" in c.op_name]
+    return totals([c for c in ops if "stage_rows" not in c.op_name])
 
 
 def test_ddp_reduces_gradients_once_per_step():
@@ -269,9 +275,16 @@ def test_ddp_reduces_gradients_once_per_step():
 
 def test_ddp_pipeline_reduces_gradients_once_per_step():
     """With stages the activations move between them by collective-permute inside
-    the pipeline loop, and still no gradient is reduced there."""
-    ddp = {A: _compiled_step({**PIPE, "parallelism": "ddp"}, A, pipeline=CIRCULAR)
-           for A in (2, 8)}
+    the pipeline loop, and still no gradient is reduced there. A slice's rows go
+    into the pipeline and out of it by an all-gather and a reduce-scatter over
+    `stage` in the accumulation loop: activations of that slice, the stages sharing
+    the work outside the pipeline."""
+    stage_rows = {A: [] for A in (2, 8)}
+    ddp = {A: _compiled_step({**PIPE, "parallelism": "ddp"}, A, pipeline=CIRCULAR,
+                             stage_rows=stage_rows[A]) for A in (2, 8)}
+    for ops in stage_rows.values():  # gather in and scatter out, and their transposes
+        assert {c.kind for c in ops} == {"all-gather", "reduce-scatter"}
+        assert all(c.in_loop and c.group_size == PIPE["stage"] for c in ops)
     for t in ddp.values():
         for kind in ("all-reduce", "reduce-scatter", "all-gather"):
             assert t[kind].ops_in_loops == 0, (kind, t[kind])

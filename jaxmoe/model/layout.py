@@ -1,10 +1,11 @@
 """What the model asks of where it runs, answered for one device without a mesh.
 
-The model never sees a mesh: every call takes a layout and asks it seven things
+The model never sees a mesh: every call takes a layout and asks it eight things
 (which kernels its devices run, which positions its tokens hold and how attention
-reaches the rest of their sequence, pin activations to the batch split, run an MoE
-layer's dispatch, total a per-shard router statistic over the batch or the
-sequence, run the stacked MoE layers, and weigh what it computed from its output).
+reaches the rest of their sequence, which of its rows it runs outside the MoE
+stack, pin activations to the batch split, run an MoE layer's dispatch, total a
+per-shard router statistic over the batch or the sequence, run the stacked MoE
+layers, and weigh what it computed from its output).
 `LocalLayout` is the answer on one device: the default device's kernels, whole
 sequences, the local dispatchers, the call's tokens as the whole batch, the MoE
 stack as one scan in model order. The layouts of a mesh (`jaxmoe.parallel.layout`)
@@ -75,6 +76,20 @@ class LocalLayout:
         """The part of a value of the model's output (the loss, a row's score) this
         program contributes: all of it."""
         return x
+
+    def output_sum(self, x: jax.Array) -> jax.Array:
+        """The part of a sum over the output's tokens (a router count of a layer after
+        the MoE stack) this program contributes: all of it."""
+        return x
+
+    def own_rows(self, rows_BxN: jax.Array) -> jax.Array:
+        """The rows this program runs outside the MoE stack: all of them."""
+        return rows_BxN
+
+    def rows_split_over_stages(self, rows: int) -> LocalLayout:
+        """The layout for a training loss over `rows` rows (`jaxmoe.parallel.layout`'s
+        splits the work outside a pipeline over its stages): this one."""
+        return self
 
     def own_share(self, a_Lmx: jax.Array) -> jax.Array:
         """Per-MoE-layer values [Lm, ...] in model order, as this program holds them."""

@@ -41,6 +41,7 @@ class Collective:
     sent_bytes: float  # per device, per run
     runs: int  # runs per step: the product of the enclosing loops' trip counts
     in_loop: bool  # inside a while body
+    op_name: str = ""  # its metadata's op_name: the named scopes it was traced in
 
     @property
     def group_size(self) -> int:
@@ -101,7 +102,7 @@ def collectives(hlo_text: str | Program) -> list[Collective]:
         groups = replica_groups(inst.attrs, program.num_devices)
         found.append(Collective(kind, inst.name, groups, operand,
                                 sent_bytes(kind, operand, len(groups[0]), inst.attrs), runs,
-                                in_loop))
+                                in_loop, inst.op_name))
     return found
 
 

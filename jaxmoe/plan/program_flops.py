@@ -47,8 +47,9 @@ SCOPES = ("expert_gemms", "router", "shared_expert", "dense_mlp", "attention", "
           "dispatch", "optimizer", "embed",
           # the step's own work around the model: the working copy (casts, ZeRO-1 gathers,
           # MXFP8 weight copies), gradient sums over micro-batches and their reduction,
-          # and the layer and pipeline loops' slicing and stacking of weights
-          "working_copy", "accumulate", "reduce", "layers", "pipeline")
+          # the layer and pipeline loops' slicing and stacking of weights, and the
+          # pipeline stages' share of the rows outside it handed in and out
+          "working_copy", "accumulate", "reduce", "layers", "pipeline", "stage_rows")
 PASSES = ("forward", "backward", "recompute")
 _GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 _BLOCK_SCALED = ("__cudnn$blockScaledDot", "__op$block_scaled_dot")

@@ -33,11 +33,12 @@ class Target:
     name: str  # the spec's file name, and the planner's --target
     scale_up: float  # bytes/s per direction per GPU within a host (NVLink)
     scale_out: float  # bytes/s per direction per GPU between hosts (its network adapter)
-    gpus_per_host: int = 8
+    gpus_per_host: int = 8  # GPUs on one NVLink domain: a host, or a rack's NVLink switches
+    chip: str = ""  # the device spec's name where it is another target's GPU
 
     @cached_property
     def spec(self) -> str:
-        return (_SPECS / f"{self.name}.txtpb").read_text()
+        return (_SPECS / f"{self.chip or self.name}.txtpb").read_text()
 
     def _field(self, name: str) -> str:
         return re.search(rf'^\s*{name}:\s*"?([^"\n]+)"?', self.spec, re.M).group(1)
@@ -70,12 +71,15 @@ class Target:
 
 # NVLink per direction: 450 GB/s on Hopper (NVLink 4), 900 GB/s on Blackwell (NVLink 5).
 # Network: one 400 Gb/s ConnectX-7 per GPU on HGX H100, H200 and B200 systems, one
-# 800 Gb/s ConnectX-8 per GPU on HGX B300.
+# 800 Gb/s ConnectX-8 per GPU on HGX B300. GB300 NVL72: the B300's chip, 72 of them
+# on one NVLink domain (a rack's NVLink switches), ConnectX-8 between racks; a "host"
+# of the planner's topology is then a rack's share of the GPUs.
 TARGETS = {
     "h100": Target("h100", 450e9, 50e9),
     "h200": Target("h200", 450e9, 50e9),
     "b200": Target("b200", 900e9, 50e9),
     "b300": Target("b300", 900e9, 100e9),
+    "gb300": Target("gb300", 900e9, 100e9, gpus_per_host=72, chip="b300"),
 }
 
 
