@@ -404,12 +404,15 @@ def check_compatible(saved: dict, cfg: Config, where: Path) -> None:
     # another optimizer holds another state (checkpoints without the key are adamw's;
     # "lion" and "optax.lion" are one optimizer, "optax.adamw" is not jaxmoe's adamw)
     def optimizer(name: str) -> str:
-        return name if name == "adamw" else "optax." + name.removeprefix("optax.")
+        return name if name in ("adamw", "muon") else "optax." + name.removeprefix("optax.")
 
     saved_optimizer = saved.get("optimizer", {}).get("name", "adamw")
     if optimizer(saved_optimizer) != optimizer(cfg.optimizer.name):
         diffs.append(f"optimizer.name: checkpoint {saved_optimizer!r}, config "
-                     f"{cfg.optimizer.name!r}")
+                     f"{cfg.optimizer.name!r} (the saved optimizer state is "
+                     f"{saved_optimizer}'s; to go on from the weights with "
+                     f"{cfg.optimizer.name}'s state new, start another run from them: "
+                     "train(cfg, corpus, init_weights=jaxmoe.load_params(RUN)[0]))")
     if diffs:
         raise CheckpointError(f"checkpoint {where} was made for another model shape or "
                               "optimizer: " + "; ".join(diffs))

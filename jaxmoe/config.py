@@ -173,7 +173,9 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    # "adamw": jaxmoe's fused AdamW (b1, b2, eps below). Any other name is an optax
+    # "adamw": jaxmoe's fused AdamW (b1, b2, eps below). "muon": Muon for the weight
+    # matrices (attention, MLPs, shared and routed experts, each expert's matrices on
+    # their own) and that AdamW for the rest (jaxmoe/muon.py). Any other name is an optax
     # optimizer function ("lion", "adafactor", "sgd", ...; "optax.adamw" for optax's
     # own), called with the schedule as its learning_rate, and weight_decay, no_decay
     # (as its mask) and mu_dtype where it takes them; a step that is skipped for a
@@ -202,6 +204,17 @@ class OptimizerConfig:
     # still computed in float32; the second moment stays float32)
     mu_dtype: Literal["float32", "bfloat16"] = "float32"
     grad_clip: float = 1.0  # global-norm clip; 0 disables
+    # muon: momentum (Nesterov), Newton-Schulz steps, and the RMS each matrix's update is
+    # scaled to per sqrt(max(fan_in, fan_out)) (Moonlight's 0.2, which lets AdamW's
+    # learning rate and weight decay carry over); adamw_params: glob patterns of
+    # parameter paths AdamW updates even where they are matrices (e.g. "dense_layers/*")
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5
+    muon_rms: float = 0.2
+    # the dtype of the Newton-Schulz products: float32 (optax's numbers) or bfloat16
+    # (the tensor cores' rate; the momentum and the update stay float32)
+    muon_ns_dtype: Literal["float32", "bfloat16"] = "float32"
+    adamw_params: tuple[str, ...] = ()
 
     def __hash__(self) -> int:
         """Configs are static jit arguments; optax_kwargs' values may be unhashable
@@ -484,9 +497,18 @@ def validate(c: Config) -> None:
     _require(o.warmup_steps < t.steps, "optimizer.warmup_steps",
              f"{o.warmup_steps} must be below train.steps={t.steps}")
     _require(all(p.strip() for p in o.no_decay), "optimizer.no_decay", "empty pattern")
-    if o.name == "adamw":
+    if o.name == "muon":
+        _require(0.0 <= o.muon_momentum < 1.0, "optimizer.muon_momentum", "must be in [0, 1)")
+        _require(o.muon_ns_steps > 0, "optimizer.muon_ns_steps", "must be positive")
+        _require(o.muon_rms > 0, "optimizer.muon_rms", "must be positive")
+    else:
+        for key in ("muon_momentum", "muon_ns_steps", "muon_rms", "muon_ns_dtype",
+                    "adamw_params"):
+            _require(getattr(o, key) == getattr(OptimizerConfig, key), f"optimizer.{key}",
+                     f"used by muon only, not {o.name}")
+    if o.name in ("adamw", "muon"):
         _require(not o.optax_kwargs, "optimizer.optax_kwargs",
-                 "jaxmoe's adamw takes none (its knobs are optimizer.b1, b2, eps); name an "
+                 f"jaxmoe's {o.name} takes none (its knobs are optimizer.b1, b2, eps); name an "
                  "optax optimizer to use them, e.g. optimizer.name: optax.adamw")
     else:
         # the optax optimizer itself (its name, arguments and one test update) is

@@ -16,8 +16,9 @@ each tensor once:
 - `skip` (a traced bool) makes the step a no-op inside those same expressions:
   moments, count and parameters stay as they were.
 
-Any other name is an optax optimizer wrapped to keep the same contract (the
-skip becomes a `where` over its state, at that extra memory traffic).
+`name: muon` is Muon for the weight matrices and this AdamW for the rest
+(`jaxmoe.muon`). Any other name is an optax optimizer wrapped to keep the same
+contract (the skip becomes a `where` over its state, at that extra memory traffic).
 
 Weight decay is masked by parameter path: `decay_mask`.
 """
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxmoe.config import ConfigError, OptimizerConfig
+from jaxmoe.muon import on_one_device, orthogonalized, rms_scale, view_of
 
 
 class AdamWState(NamedTuple):
@@ -122,6 +124,8 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
     gradients' global norm when the caller has it already, saves computing it again.
     """
     schedule = learning_rate_schedule(cfg, total_steps)
+    if cfg.name == "muon":
+        return make_muon(cfg, schedule)
     if cfg.name != "adamw":
         check_optax(cfg)
         return _with_clip_and_skip(optax_optimizer(cfg, schedule), cfg.grad_clip)
@@ -170,6 +174,94 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
 
         updates = jax.tree.map(step, params, mu, nu, decay_mask(params, cfg.no_decay))
         return updates, AdamWState(count, jax.tree.map(lambda m: m.astype(mu_dtype), mu), nu)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+# ---------------------------------------------------------------- Muon
+
+
+class MuonState(NamedTuple):
+    count: jax.Array  # int32: optimizer steps taken (skipped steps not counted)
+    mu: Any  # Muon's momentum for its matrices, Adam's first moment for the rest (mu_dtype)
+    nu: Any  # Adam's second moment; a scalar zero for Muon's matrices
+
+
+def assignment(params, adamw_params: tuple[str, ...] = ()) -> dict[str, str]:
+    """Each parameter's optimizer, "muon" or "adamw", by path (printed at start)."""
+    return {param_name(path): "muon" if view_of(param_name(path), p, adamw_params) else "adamw"
+            for path, p in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def describe(params, adamw_params: tuple[str, ...] = ()) -> str:
+    """One line: which parameters each optimizer updates (printed at a run's start)."""
+    got = assignment(params, adamw_params)
+    names = {o: sorted(n for n, who in got.items() if who == o) for o in ("muon", "adamw")}
+    return "; ".join(f"{o} updates {len(n)}: {', '.join(n)}" for o, n in names.items())
+
+
+def make_muon(cfg: OptimizerConfig, schedule: optax.Schedule
+              ) -> optax.GradientTransformationExtraArgs:
+    """Muon + AdamW with `make_optimizer`'s contract (clip, skip, grad_norm), and
+    `whole_matrices` (see the module doc) as an update argument."""
+    beta, steps, rms = cfg.muon_momentum, cfg.muon_ns_steps, cfg.muon_rms
+    ns_dtype = jnp.dtype(cfg.muon_ns_dtype)
+    b1, b2, eps, wd, clip = cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.grad_clip
+    mu_dtype = jnp.dtype(cfg.mu_dtype)
+
+    def init(params):
+        named = jax.tree_util.tree_leaves_with_path(params)
+        vs = [view_of(param_name(path), p, cfg.adamw_params) for path, p in named]
+        leaves, tree = jax.tree.flatten(params)
+        mu = [jnp.zeros_like(p, mu_dtype) for p in leaves]
+        nu = [jnp.zeros((), jnp.float32) if v else jnp.zeros_like(p)
+              for p, v in zip(leaves, vs)]
+        return MuonState(jnp.zeros([], jnp.int32), tree.unflatten(mu), tree.unflatten(nu))
+
+    def update(grads, state: MuonState, params=None, *, skip=None, grad_norm=None,
+               whole_matrices: Callable = on_one_device, **_):
+        if params is None:
+            raise ValueError("Muon needs params (for weight decay)")
+        take = jnp.bool_(True) if skip is None else ~jnp.asarray(skip, bool)
+        scale = _clip_scale(grads, clip, grad_norm)
+        count = state.count + take.astype(jnp.int32)
+        rate = schedule(state.count) * take.astype(jnp.float32)
+        t = jnp.maximum(count, 1).astype(jnp.float32)
+        c1, c2 = 1 - b1 ** t, 1 - b2 ** t
+
+        named = jax.tree_util.tree_leaves_with_path(params)
+        names = [param_name(path) for path, _ in named]
+        leaves = [p for _, p in named]
+        tree = jax.tree.structure(params)
+        g_, m_, v_ = (tree.flatten_up_to(x) for x in (grads, state.mu, state.nu))
+        decay = tree.flatten_up_to(decay_mask(params, cfg.no_decay))
+        out_u, out_m, out_v = [], [], []
+        for name, p, g, m, v, d in zip(names, leaves, g_, m_, v_, decay):
+            g = g.astype(jnp.float32) * scale
+            view = view_of(name, p, cfg.adamw_params)
+            if view is None:  # AdamW, as `optim.make_optimizer`'s
+                m32 = m.astype(jnp.float32)
+                m_new = jnp.where(take, b1 * m32 + (1 - b1) * g, m32)
+                v_new = jnp.where(take, b2 * v + (1 - b2) * g * g, v)
+                u = (m_new / c1) / (jnp.sqrt(v_new / c2) + eps)
+                out_m.append(m_new.astype(mu_dtype))
+                out_v.append(v_new)
+            else:  # momentum in float32 whatever its stored dtype
+                m32 = m.astype(jnp.float32)
+                m_new = jnp.where(take, beta * m32 + (1 - beta) * g, m32)
+                # Nesterov, bias-corrected as optax's scale_by_muon
+                nesterov = (beta * m_new / (1 - beta ** (t + 1))
+                            + (1 - beta) * g / (1 - beta ** t))
+                # scaled where the matrices are whole: their fan sizes are the full ones
+                u = whole_matrices(name, nesterov, view, lambda x, view=view: rms_scale(
+                    x.shape, view, rms) * orthogonalized(x, view, steps, ns_dtype))
+                out_m.append(m_new.astype(mu_dtype))
+                out_v.append(v)
+            if d:
+                u = u + wd * p
+            out_u.append((-rate * u).astype(p.dtype))
+        return tree.unflatten(out_u), MuonState(count, tree.unflatten(out_m),
+                                                tree.unflatten(out_v))
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -296,6 +388,8 @@ def updates_are_elementwise(cfg: OptimizerConfig) -> bool:
     (adafactor factors tensors from 128 on), whole and in two halves."""
     if cfg.name == "adamw":
         return True
+    if cfg.name == "muon":  # whole matrices: the ddp step gathers them (`whole_matrices`)
+        return False
     tx = optax_optimizer(cfg, 1e-2)
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     w = jax.random.normal(k1, (128, 256))

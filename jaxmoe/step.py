@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmoe import sharding
@@ -27,8 +28,9 @@ from jaxmoe.model.layout import LocalLayout
 from jaxmoe.model.load_metrics import load_metrics
 from jaxmoe.model.moe import MEAN_STATS
 from jaxmoe.model.transformer import Transformer, in_moe_stack
+from jaxmoe.muon import on_one_device
 from jaxmoe.ops.vma import vary, varying_axes
-from jaxmoe.optim import (learning_rate_schedule, make_optimizer, param_names,
+from jaxmoe.optim import (learning_rate_schedule, make_optimizer, param_name, param_names,
                           unmatched_patterns, updates_are_elementwise)
 from jaxmoe.parallel import context, ddp
 from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
@@ -288,6 +290,8 @@ class AutoProgram:
     def tokens(self, rows_BxLn, extra: int = 1) -> int:
         return rows_BxLn.shape[0] * (rows_BxLn.shape[1] - extra)
 
+    whole_matrices = staticmethod(on_one_device)  # global arrays: every matrix is whole
+
 
 class DeviceProgram:
     """ddp: one device's program inside a `shard_map` over the whole mesh.
@@ -307,6 +311,8 @@ class DeviceProgram:
         # devices holding different tokens: what the losses and gradients average over
         self.n_shards = math.prod(sharding.axis_size(self.mesh, a) for a in TOKEN_AXES)
         self.deferred = jax.tree_util.tree_map_with_path(self._defers, self.plans)
+        self.plan_of = {param_name(path): r for path, r in jax.tree_util.tree_leaves_with_path(
+            self.plans, is_leaf=lambda x: isinstance(x, ddp.Reduction))}
 
     def _defers(self, path, r: ddp.Reduction) -> bool:
         """Whether a parameter reaches the model as its ZeRO-1 shard, for a circular
@@ -385,6 +391,33 @@ class DeviceProgram:
     def tokens(self, rows_bxLn, extra: int = 1) -> int:
         return self.n_shards * rows_bxLn.shape[0] * (rows_bxLn.shape[1] - extra)
 
+    def whole_matrices(self, name: str, x, view, fn):
+        """fn of the whole matrices of `x`, this device's ZeRO-1 part of parameter
+        `name`'s update (Muon's orthogonalization): this device's part of the result.
+
+        Each matrix is orthogonalized whole, once, by one device: where ZeRO-1 split
+        a batch of matrices (layers, experts, a pipeline's chunks), each device holds
+        whole ones already and nothing moves; where it split the matrices
+        themselves, an all-to-all deals the batch out instead (each device then
+        holds its 1/n of the matrices, whole), and a second brings the results
+        back. A batch that does not divide among the n devices (one dense layer's
+        matrix, say) is padded with zero matrices to one that does (their
+        orthogonalization is zero, and is dropped)."""
+        r = self.plan_of[name]
+        batch = view.batch_axes(x.ndim)
+        if not r.scatter_axes or r.dim < batch:
+            return fn(x)
+        n = math.prod(self.mesh.shape[a] for a in r.scatter_axes)
+        count = math.prod(x.shape[:batch])
+        padded = -(-count // n) * n
+        split = 1 + r.dim - batch  # the split axis of [count, matrix axes...]
+        flat = x.reshape(count, *x.shape[batch:])
+        if padded > count:
+            flat = jnp.concatenate([flat, jnp.zeros((padded - count, *flat.shape[1:]), x.dtype)])
+        dealt = lax.all_to_all(flat, r.scatter_axes, 0, split, tiled=True)
+        back = lax.all_to_all(fn(dealt), r.scatter_axes, split, 0, tiled=True)
+        return back[:count].reshape(x.shape)
+
 
 def make_train_step(cfg: Config, program, loss_fn: Callable, tx, lr_at) -> Callable:
     """The one train step body, for either program."""
@@ -406,8 +439,10 @@ def make_train_step(cfg: Config, program, loss_fn: Callable, tx, lr_at) -> Calla
         # its step count included, so the rerun draws the same keys
         overflowed = overflowed_buffers(cfg, aux)
         apply = finite & ~overflowed
+        # Muon's matrices, whole wherever the program splits them
+        whole = {"whole_matrices": program.whole_matrices} if cfg.optimizer.name == "muon" else {}
         params, opt_state = _update(tx, program.own(state.params), state.opt_state, grads,
-                                    grad_norm, apply)
+                                    grad_norm, apply, **whole)
         # The rate this update used: the schedule runs on the optimizer's count,
         # which skipped steps do not advance.
         metrics = step_metrics(cfg, program.layout, loss, ce, aux, grad_norm,
@@ -436,12 +471,12 @@ def make_score_step(program, score_fn: Callable) -> Callable:
     return score_step
 
 
-def _update(tx, params, opt_state, grads, grad_norm, finite):
+def _update(tx, params, opt_state, grads, grad_norm, finite, **extra):
     """The optimizer's step; a non-finite loss or gradient changes nothing (the
     optimizer applies the skip inside its fused update)."""
     with jax.named_scope("optimizer"):
         updates, opt_state = tx.update(grads, opt_state, params, skip=~finite,
-                                       grad_norm=grad_norm)
+                                       grad_norm=grad_norm, **extra)
         return optax.apply_updates(params, updates), opt_state
 
 
@@ -561,7 +596,8 @@ def check_optimizer(cfg: Config, mesh: Mesh, abs_params: nnx.State, shard_specs:
     specs = jax.tree.leaves(shard_specs, is_leaf=lambda x: isinstance(x, P))
     split = any(mesh.shape[a] > 1 for spec in specs for entry in spec
                 for a in sharding.spec_axes(entry))
-    if uses_per_device_step(cfg) and split and not updates_are_elementwise(o):
+    # (Muon's matrices are made whole by the step: `DeviceProgram.whole_matrices`)
+    if uses_per_device_step(cfg) and split and o.name != "muon" and not updates_are_elementwise(o):
         raise ConfigError(f"optimizer.name: {o.name} takes statistics over whole tensors, but "
                           "the ddp step updates each device's part of a tensor (its ZeRO-1 "
                           "shard, its experts, its stage's layers) on its own; use "

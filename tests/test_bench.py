@@ -40,6 +40,16 @@ def test_experts_times_steps_and_updates(tmp_path, capsys):
     assert table[-2].startswith("ratio E16/E8") and "if only the update differed" in table[-1]
 
 
+def test_muon_times_both_optimizers_and_their_updates(tmp_path, capsys):
+    result = _run(tmp_path, ["muon", *ONCE, "--config", "configs/tiny.yaml", *SETS])
+    secs = result["seconds"]
+    assert list(secs) == ["adamw", "adamw update", "muon", "muon update"]
+    assert result["step_ratio_muon_over_adamw"] == pytest.approx(secs["muon"] / secs["adamw"])
+    assert result["muon_update_extra_share"] == pytest.approx(
+        (secs["muon update"] - secs["adamw update"]) / secs["muon"])
+    assert capsys.readouterr().out.splitlines()[-1].startswith("update extra / muon step")
+
+
 def test_moe_and_step(tmp_path):
     moe = _run(tmp_path, ["moe", *ONCE, "--tokens", "64", "--d-model", "32", "--expert-hidden", "16",
                           "--top-k", "2", "--experts", "4", "8"])

@@ -15,6 +15,8 @@ arguments; it returns a dict of numbers, which `--json` writes to a file.
   experts   tokens/s of that model's train step at 8 and at 128 experts (top-4,
             same expert size): what many experts cost; beside each, the
             optimizer update alone, which bounds the ratio at few tokens per step.
+  muon      a config's train step on one device with Muon against AdamW, and each
+            optimizer's update alone: Muon's Newton-Schulz share of the step.
 
 Cases are timed round-robin, so machine noise hits every case alike, and the
 median of the repeats is reported.
@@ -435,6 +437,33 @@ def bench_experts(a: argparse.Namespace) -> dict:
     rows += [("ratio " + n, "", "", "", "", f"{r:.3f}") for n, r in result["ratios"].items()]
     rows += [("  if only the update differed", "", "", "", "", f"{r:.3f}")
              for r in result.get("ratio_if_only_update_differed", {}).values()]
+    print_table(rows)
+    return result
+
+
+def _muon_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="configs/tiny.yaml")
+    p.add_argument("--repeats", type=int, default=7)
+    _set_arg(p, "the config")
+
+
+@subcommand("muon", _muon_args,
+            "train step and optimizer update alone with Muon against AdamW, one device")
+def bench_muon(a: argparse.Namespace) -> dict:
+    runs, cfgs = {}, {}
+    for name in ("adamw", "muon"):
+        case = _train_step_case(a.config, a.set + [f"optimizer.name={name}"], num_devices=1)
+        runs[name], cfgs[name] = case.run, case.cfg
+        runs[f"{name} update"] = _update_case(case.cfg)
+    secs = time_round_robin(runs, a.repeats)
+    extra = secs["muon update"] - secs["adamw update"]
+    result = {"config": a.config, "overrides": a.set, "seconds": secs,
+              "step_ratio_muon_over_adamw": secs["muon"] / secs["adamw"],
+              # what Muon's update adds over AdamW's, as a share of Muon's step
+              "muon_update_extra_share": extra / secs["muon"]}
+    rows = [("case", "s")] + [(n, f"{s:.4f}") for n, s in secs.items()]
+    rows += [("step muon / adamw", f"{result['step_ratio_muon_over_adamw']:.3f}"),
+             ("update extra / muon step", f"{result['muon_update_extra_share']:.3f}")]
     print_table(rows)
     return result
 
