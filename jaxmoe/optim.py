@@ -129,7 +129,7 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
     if cfg.name != "adamw":
         check_optax(cfg)
         return _with_clip_and_skip(optax_optimizer(cfg, schedule), cfg.grad_clip)
-    b1, b2, eps, wd, clip = cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.grad_clip
+    b1, b2, eps, wd = cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay
     mu_dtype = jnp.dtype(cfg.mu_dtype)
 
     def init(params):
@@ -140,42 +140,59 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
     def update(grads, state: AdamWState, params=None, *, skip=None, grad_norm=None, **_):
         if params is None:
             raise ValueError("make_optimizer's AdamW needs params (for weight decay)")
+        s = _StepTerms.of(cfg, schedule, grads, state.count, skip, grad_norm)
+        mu = jax.tree.map(lambda g, m: _ema(g * s.scale.astype(g.dtype), m, s.take, b1),
+                          grads, state.mu)
+        nu = jax.tree.map(lambda g, v: _ema(jnp.square(g * s.scale.astype(g.dtype)), v, s.take,
+                                            b2), grads, state.nu)
+
+        def step(p, m, v, decay):
+            u = _adam_direction(m, v, s, eps)
+            if decay:
+                u = u + wd * p
+            return (-s.rate * u).astype(p.dtype)
+
+        updates = jax.tree.map(step, params, mu, nu, decay_mask(params, cfg.no_decay))
+        return updates, AdamWState(s.count, jax.tree.map(lambda m: m.astype(mu_dtype), mu), nu)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+class _StepTerms(NamedTuple):
+    """What every tensor's update of one step shares (jaxmoe's AdamW and Muon)."""
+
+    take: jax.Array  # not a skipped step
+    scale: jax.Array  # the global-norm clip's factor
+    count: jax.Array  # the optimizer's step count after this step
+    rate: jax.Array  # the learning rate, 0 on a skipped step
+    t: jax.Array  # the count for bias corrections (1 when skipping keeps it at 0)
+    c1: jax.Array  # Adam's bias corrections at t
+    c2: jax.Array
+
+    @classmethod
+    def of(cls, cfg: OptimizerConfig, schedule, grads, count, skip, grad_norm) -> _StepTerms:
         take = jnp.bool_(True) if skip is None else ~jnp.asarray(skip, bool)
-        scale = _clip_scale(grads, clip, grad_norm)
-        count = state.count + take.astype(jnp.int32)
-        lr = schedule(state.count)
-        # Bias corrections at the new count (1 when skipping keeps count at 0).
-        t = jnp.maximum(count, 1).astype(jnp.float32)
-        c1, c2 = 1 - b1 ** t, 1 - b2 ** t
-
-        def first(g, m):  # in float32 whatever the stored dtype; rounded once, on storing
-            m = m.astype(jnp.float32)
-            return jnp.where(take, b1 * m + (1 - b1) * (g * scale.astype(g.dtype)), m)
-
-        def second(g, v):
-            g = g * scale.astype(g.dtype)
-            return jnp.where(take, b2 * v + (1 - b2) * (g * g), v)
-
-        mu = jax.tree.map(first, grads, state.mu)
-        nu = jax.tree.map(second, grads, state.nu)
-
+        new = count + take.astype(jnp.int32)
         # A skipped step keeps the moments, so u is finite (made from the last finite
         # moments) and a rate of zero makes the update exactly zero. A select against a
         # zero constant here would share that constant with the gradient accumulator's
         # zeros (XLA's CSE), and XLA then keeps a materialised parameter-size zero
         # buffer alive across the whole step for it (22.55 GB on the 47B config).
-        rate = lr * take.astype(jnp.float32)
+        rate = schedule(count) * take.astype(jnp.float32)
+        t = jnp.maximum(new, 1).astype(jnp.float32)
+        return cls(take, _clip_scale(grads, cfg.grad_clip, grad_norm), new, rate, t,
+                   1 - cfg.b1 ** t, 1 - cfg.b2 ** t)
 
-        def step(p, m, v, decay):
-            u = (m / c1) / (jnp.sqrt(v / c2) + eps)
-            if decay:
-                u = u + wd * p
-            return (-rate * u).astype(p.dtype)
 
-        updates = jax.tree.map(step, params, mu, nu, decay_mask(params, cfg.no_decay))
-        return updates, AdamWState(count, jax.tree.map(lambda m: m.astype(mu_dtype), mu), nu)
+def _ema(x, m, take, decay: float) -> jax.Array:
+    """A moment after x, in float32 whatever its stored dtype (rounded once, on
+    storing); a skipped step keeps it."""
+    m = m.astype(jnp.float32)
+    return jnp.where(take, decay * m + (1 - decay) * x, m)
 
-    return optax.GradientTransformationExtraArgs(init, update)
+
+def _adam_direction(m, v, s: _StepTerms, eps: float) -> jax.Array:
+    return (m / s.c1) / (jnp.sqrt(v / s.c2) + eps)
 
 
 # ---------------------------------------------------------------- Muon
@@ -206,7 +223,7 @@ def make_muon(cfg: OptimizerConfig, schedule: optax.Schedule
     `whole_matrices` (see the module doc) as an update argument."""
     beta, steps, rms = cfg.muon_momentum, cfg.muon_ns_steps, cfg.muon_rms
     ns_dtype = jnp.dtype(cfg.muon_ns_dtype)
-    b1, b2, eps, wd, clip = cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.grad_clip
+    b1, b2, eps, wd = cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay
     mu_dtype = jnp.dtype(cfg.mu_dtype)
 
     def init(params):
@@ -222,13 +239,8 @@ def make_muon(cfg: OptimizerConfig, schedule: optax.Schedule
                whole_matrices: Callable = on_one_device, **_):
         if params is None:
             raise ValueError("Muon needs params (for weight decay)")
-        take = jnp.bool_(True) if skip is None else ~jnp.asarray(skip, bool)
-        scale = _clip_scale(grads, clip, grad_norm)
-        count = state.count + take.astype(jnp.int32)
-        rate = schedule(state.count) * take.astype(jnp.float32)
-        t = jnp.maximum(count, 1).astype(jnp.float32)
-        c1, c2 = 1 - b1 ** t, 1 - b2 ** t
-
+        s = _StepTerms.of(cfg, schedule, grads, state.count, skip, grad_norm)
+        t = s.t
         named = jax.tree_util.tree_leaves_with_path(params)
         names = [param_name(path) for path, _ in named]
         leaves = [p for _, p in named]
@@ -237,18 +249,15 @@ def make_muon(cfg: OptimizerConfig, schedule: optax.Schedule
         decay = tree.flatten_up_to(decay_mask(params, cfg.no_decay))
         out_u, out_m, out_v = [], [], []
         for name, p, g, m, v, d in zip(names, leaves, g_, m_, v_, decay):
-            g = g.astype(jnp.float32) * scale
+            g = g * s.scale.astype(g.dtype)
             view = view_of(name, p, cfg.adamw_params)
-            if view is None:  # AdamW, as `optim.make_optimizer`'s
-                m32 = m.astype(jnp.float32)
-                m_new = jnp.where(take, b1 * m32 + (1 - b1) * g, m32)
-                v_new = jnp.where(take, b2 * v + (1 - b2) * g * g, v)
-                u = (m_new / c1) / (jnp.sqrt(v_new / c2) + eps)
+            if view is None:  # AdamW, as `make_optimizer`'s
+                m_new, v_new = _ema(g, m, s.take, b1), _ema(jnp.square(g), v, s.take, b2)
+                u = _adam_direction(m_new, v_new, s, eps)
                 out_m.append(m_new.astype(mu_dtype))
                 out_v.append(v_new)
-            else:  # momentum in float32 whatever its stored dtype
-                m32 = m.astype(jnp.float32)
-                m_new = jnp.where(take, beta * m32 + (1 - beta) * g, m32)
+            else:
+                m_new = _ema(g, m, s.take, beta)
                 # Nesterov, bias-corrected as optax's scale_by_muon
                 nesterov = (beta * m_new / (1 - beta ** (t + 1))
                             + (1 - beta) * g / (1 - beta ** t))
@@ -259,8 +268,8 @@ def make_muon(cfg: OptimizerConfig, schedule: optax.Schedule
                 out_v.append(v)
             if d:
                 u = u + wd * p
-            out_u.append((-rate * u).astype(p.dtype))
-        return tree.unflatten(out_u), MuonState(count, tree.unflatten(out_m),
+            out_u.append((-s.rate * u).astype(p.dtype))
+        return tree.unflatten(out_u), MuonState(s.count, tree.unflatten(out_m),
                                                 tree.unflatten(out_v))
 
     return optax.GradientTransformationExtraArgs(init, update)

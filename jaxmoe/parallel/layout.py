@@ -226,10 +226,6 @@ class DeviceLayout(GlobalLayout):
         the pipeline) this device contributes: the last stage's, as `output_share`."""
         return self.output_share(x)
 
-    def own_rows(self, rows_bxN: jax.Array) -> jax.Array:
-        """The rows this device runs outside the MoE stack: all of them."""
-        return rows_bxN
-
     def rows_split_over_stages(self, rows: int) -> DeviceLayout:
         """The layout for a loss over `rows` rows a device: with pipeline stages and rows
         that divide among them, one (`StageRowsLayout`) whose stages share the work
