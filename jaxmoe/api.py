@@ -98,7 +98,9 @@ def apply(params: Params, tokens_BxL: jax.Array, config: Config, *, key: jax.Arr
           mesh: Mesh | None = None, remat: str = "none") -> tuple[jax.Array, dict]:
     """fp32 logits [B, L, V] and aux, the MoE layers' router statistics stacked per layer:
     balance_loss and z_loss [Lm] (unscaled), counts [Lm, E], dropped [Lm],
-    prob_sums [Lm, E], margin_sum [Lm]; empty without MoE layers.
+    prob_sums [Lm, E], margin_sum [Lm]; empty without MoE layers. With
+    `optimizer.qk_clip` set, also max_logit [num_layers, H]: each layer's heads'
+    largest attention logits (`jaxmoe.model.attention.max_logits`).
 
     `key` turns on router jitter; `mesh` is needed by the expert-parallel dispatchers.
     """

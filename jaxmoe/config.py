@@ -215,6 +215,11 @@ class OptimizerConfig:
     # (the tensor cores' rate; the momentum and the update stay float32)
     muon_ns_dtype: Literal["float32", "bfloat16"] = "float32"
     adamw_params: tuple[str, ...] = ()
+    # QK-clip (MuonClip's, with any optimizer): after each update, the query and key
+    # projections of every head whose largest attention logit in the step exceeded
+    # this are scaled so that its logits shrink to it (jaxmoe/qk_clip.py; Kimi K2 used
+    # 100). 0: off. Needs model.qk_norm: none.
+    qk_clip: float = 0.0
 
     def __hash__(self) -> int:
         """Configs are static jit arguments; optax_kwargs' values may be unhashable
@@ -506,6 +511,9 @@ def validate(c: Config) -> None:
                     "adamw_params"):
             _require(getattr(o, key) == getattr(OptimizerConfig, key), f"optimizer.{key}",
                      f"used by muon only, not {o.name}")
+    _require(not o.qk_clip or m.qk_norm == "none", "optimizer.qk_clip",
+             f"model.qk_norm: {m.qk_norm} normalises q and k after their projections and "
+             "would undo QK-clip's rescaling of them; use model.qk_norm: none")
     if o.name in ("adamw", "muon"):
         _require(not o.optax_kwargs, "optimizer.optax_kwargs",
                  f"jaxmoe's {o.name} takes none (its knobs are optimizer.b1, b2, eps); name an "

@@ -21,8 +21,9 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmoe import sharding
+from jaxmoe import qk_clip, sharding
 from jaxmoe.config import Config, ConfigError, dropless
+from jaxmoe.model.attention import MAX_LOGIT, MAX_STATS, combined, unmeasured
 from jaxmoe.model.experts import mx_copies, with_mx_copies
 from jaxmoe.model.layout import LocalLayout
 from jaxmoe.model.load_metrics import load_metrics
@@ -124,8 +125,7 @@ def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout: LocalLayout) -> Ca
             mtp_ce, mtp_aux = model.mtp_losses(x, tokens_BxLn, layout=layout, key=key,
                                                remat=t.remat, chunk=t.loss_chunk)
             mtp_ce = layout.output_share(mtp_ce)
-            mtp_aux = {k: (layout.output_share if k in MEAN_STATS else layout.output_sum)(v)
-                       for k, v in mtp_aux.items()}
+            mtp_aux = {k: _output_part(layout, k)(v) for k, v in mtp_aux.items()}
             loss += t.mtp_loss_weight * jnp.mean(mtp_ce)
             aux = {**{k: jnp.concatenate([v, mtp_aux[k]]) for k, v in aux.items()},
                    "mtp_ce": mtp_ce}
@@ -135,6 +135,13 @@ def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout: LocalLayout) -> Ca
         return loss, (ce, aux)
 
     return loss_fn
+
+
+def _output_part(layout, key: str) -> Callable:
+    """How a program contributes aux entry `key` of layers after the MoE stack."""
+    if key in MEAN_STATS:
+        return layout.output_share
+    return layout.output_max if key in MAX_STATS else layout.output_sum
 
 
 def make_score_fn(cfg: Config, graphdef: nnx.GraphDef, layout: LocalLayout) -> Callable:
@@ -194,15 +201,17 @@ def accumulate_gradients(loss_fn: Callable, cfg: Config, params, buffers, batch_
         return one_slice(0, slices_AxBxL1[0])
 
     def add(sums, xs):  # one traced copy of the model, looped
-        new = one_slice(*xs)
+        *totals, aux = one_slice(*xs)
         with jax.named_scope("accumulate"):
-            return jax.tree.map(jnp.add, sums, new), None
+            totals = jax.tree.map(jnp.add, sums[:-1], tuple(totals))
+            return (*totals, {k: combined(k, sums[-1][k], a) for k, a in aux.items()}), None
 
     # forward only: the shapes (and, per device, the varying axes) of loss, ce and stats
     loss, (ce, aux) = jax.eval_shape(loss_fn, params, buffers, slices_AxBxL1[0], None, copies)
     zero_grads = _cast_matrices(jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params),
                                 dtype)
-    zeros = (zero_grads, *jax.tree.map(_zeros, (loss, ce, aux)))
+    zeros = (zero_grads, *jax.tree.map(_zeros, (loss, ce)),
+             {k: unmeasured(k, _zeros(a)) for k, a in aux.items()})
     sums, _ = jax.lax.scan(add, zeros, (jnp.arange(A), slices_AxBxL1))
     return sums
 
@@ -219,6 +228,9 @@ def step_metrics(cfg: Config, layout, loss, ce, aux, grad_norm, lr, finite, num_
                "skipped": (~finite).astype(jnp.int32)}
     if cfg.model.mtp_layers:
         metrics |= {"mtp_ce": jnp.mean(aux["mtp_ce"]) / A, "mtp_ce_depth": aux["mtp_ce"] / A}
+    if cfg.optimizer.qk_clip:  # per layer, model order, MTP layers last
+        metrics |= {"max_logit": jnp.max(aux[MAX_LOGIT], axis=-1),
+                    "qk_clipped": jnp.sum(aux[MAX_LOGIT] > cfg.optimizer.qk_clip, axis=-1)}
     if cfg.num_moe_layers:
         aux = {**aux, **{k: aux[k] / A for k in MEAN_STATS}}
         metrics |= {k: jnp.mean(aux[k]) for k in MEAN_STATS}
@@ -291,6 +303,10 @@ class AutoProgram:
         return rows_BxLn.shape[0] * (rows_BxLn.shape[1] - extra)
 
     whole_matrices = staticmethod(on_one_device)  # global arrays: every matrix is whole
+
+    @staticmethod
+    def own_part(name: str, x):  # global arrays: the whole tensor is the program's
+        return x
 
 
 class DeviceProgram:
@@ -375,7 +391,9 @@ class DeviceProgram:
         # over every axis: stages hold disjoint layers (zeros elsewhere) and the
         # last stage's loss, or a share of it each (`output_share`)
         total = lambda v: ddp.psum_everywhere(v, self.mesh.axis_names)  # noqa: E731
-        aux = {k: total(v) / (self.n_shards if k in SHARD_MEANS else 1) for k, v in aux.items()}
+        largest = lambda v: lax.pmax(vary(v, self.mesh.axis_names), self.mesh.axis_names)  # noqa: E731
+        aux = {k: largest(v) if k in MAX_STATS else
+               total(v) / (self.n_shards if k in SHARD_MEANS else 1) for k, v in aux.items()}
         return total(loss) / self.n_shards, total(ce) / self.n_shards, aux
 
     def norm(self, grads):
@@ -390,6 +408,12 @@ class DeviceProgram:
 
     def tokens(self, rows_bxLn, extra: int = 1) -> int:
         return self.n_shards * rows_bxLn.shape[0] * (rows_bxLn.shape[1] - extra)
+
+    def own_part(self, name: str, x):
+        """This device's ZeRO-1 part of x, a value of parameter `name`'s shape or one
+        that broadcasts against it (size 1 along the split: all of it)."""
+        r = self.plan_of[name]
+        return x if not r.scatter_axes or x.shape[r.dim] == 1 else ddp.own_shard(x, r)
 
     def whole_matrices(self, name: str, x, view, fn):
         """fn of the whole matrices of `x`, this device's ZeRO-1 part of parameter
@@ -443,6 +467,9 @@ def make_train_step(cfg: Config, program, loss_fn: Callable, tx, lr_at) -> Calla
         whole = {"whole_matrices": program.whole_matrices} if cfg.optimizer.name == "muon" else {}
         params, opt_state = _update(tx, program.own(state.params), state.opt_state, grads,
                                     grad_norm, apply, **whole)
+        if cfg.optimizer.qk_clip:
+            params = qk_clip.rescaled(cfg, params, aux[MAX_LOGIT], apply,
+                                      program.layout.own_share, program.own_part)
         # The rate this update used: the schedule runs on the optimizer's count,
         # which skipped steps do not advance.
         metrics = step_metrics(cfg, program.layout, loss, ce, aux, grad_norm,

@@ -3,9 +3,13 @@ whole projection)."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import ModelConfig
@@ -13,6 +17,23 @@ from jaxmoe.model.blockwise_attention import blockwise_attention
 from jaxmoe.model.layers import param, rms_norm, rope, rope_frequencies, yarn_mscale
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
 from jaxmoe.model.remat import ATTENTION_OUT, ATTENTION_QKV
+
+# aux: each head's largest attention logit in a layer, [layers, H] (`max_logits`)
+MAX_LOGIT = "max_logit"
+# aux entries combined by their maximum over micro-batches, stages and devices (the
+# rest are summed)
+MAX_STATS = (MAX_LOGIT,)
+
+
+def unmeasured(key: str, like: jax.Array) -> jax.Array:
+    """What aux entry `key` holds where nothing was measured (a pipeline's idle slot):
+    -inf for a maximum, 0 for a sum."""
+    return jnp.full_like(like, -jnp.inf if key in MAX_STATS else 0)
+
+
+def combined(key: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """Two measurements of aux entry `key` as one: their maximum or their sum."""
+    return jnp.maximum(a, b) if key in MAX_STATS else a + b
 
 
 class Attention(nnx.Module):
@@ -67,14 +88,24 @@ class Attention(nnx.Module):
         return jnp.einsum("blhk,hkd->bld", o_BxLxHxHd, self.w_o[...].astype(o_BxLxHxHd.dtype))
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
-                 layout: LocalLayout = LOCAL_LAYOUT) -> jax.Array:
+                 layout: LocalLayout = LOCAL_LAYOUT, with_max_logits: bool = False):
         """layout: where the call runs; its kernels pick the attention (cuDNN's, XLA's
         or blockwise: `Kernels.attention`), and it reaches the rest of each sequence
-        where the call holds a chunk of positions (`LocalLayout.attend`)."""
-        with jax.named_scope("attention"):
-            q, k, v = self.qkv(x_BxLxD, positions_BxL)
-            o = layout.attend(causal_attention(self.cfg, layout), q, k, v)
-            return self.out(checkpoint_name(o, ATTENTION_OUT))
+        where the call holds a chunk of positions (`LocalLayout.attend`).
+        with_max_logits: (output, each head's largest logit [H]) rather than the output."""
+        return attend(self, x_BxLxD, positions_BxL, layout, with_max_logits)
+
+
+def attend(module, x_BxLxD: jax.Array, positions_BxL: jax.Array, layout: LocalLayout,
+           with_max_logits: bool):
+    """An attention module's call (its `qkv`, the causal attention, its `out`)."""
+    with jax.named_scope("attention"):
+        q, k, v = module.qkv(x_BxLxD, positions_BxL)
+        o = layout.attend(causal_attention(module.cfg, layout, with_max_logits), q, k, v)
+        if with_max_logits:
+            o, max_H = o
+            return module.out(checkpoint_name(o, ATTENTION_OUT)), max_H
+        return module.out(checkpoint_name(o, ATTENTION_OUT))
 
 
 def rotate(x_BxLxHxHd: jax.Array, positions_BxL: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -85,9 +116,10 @@ def rotate(x_BxLxHxHd: jax.Array, positions_BxL: jax.Array, cfg: ModelConfig) ->
                 scale=scale, interleave=cfg.rope_interleave)
 
 
-def causal_attention(cfg: ModelConfig, layout: LocalLayout):
+def causal_attention(cfg: ModelConfig, layout: LocalLayout, with_max_logits: bool = False):
     """attention(q, k, v) -> o: causal over whole sequences, at `cfg`'s softmax scale,
-    in the kernel `layout`'s devices run (cuDNN's, XLA's or blockwise)."""
+    in the kernel `layout`'s devices run (cuDNN's, XLA's or blockwise).
+    with_max_logits: -> (o, `max_logits` of q and k)."""
     impl, scale = layout.kernels.attention(cfg), softmax_scale(cfg)
 
     @narrow_values
@@ -98,7 +130,46 @@ def causal_attention(cfg: ModelConfig, layout: LocalLayout):
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                             implementation=impl)
 
-    return attention
+    if not with_max_logits:
+        return attention
+    return lambda q, k, v: (attention(q, k, v),
+                            max_logits(q, k, scale, cfg.attention_block or MAX_LOGIT_BLOCK))
+
+
+MAX_LOGIT_BLOCK = 512
+
+
+def max_logits(q_BxLxHxHd: jax.Array, k_BxLxGxHd: jax.Array, scale: float,
+               block: int = MAX_LOGIT_BLOCK) -> jax.Array:
+    """fp32 [H]: each head's largest causal logit, scale q_i . k_j over j <= i, every
+    row and position (MuonClip's S_max; no fused kernel returns it). No gradient.
+
+    The scores are taken in `block` x `block` tiles on or below the diagonal, one at
+    a time (a static list of tile pairs: no B x H x L x L array, and the tiles above
+    the diagonal are not computed), at the queries' and keys' precision with fp32
+    sums, as the attention kernels take them."""
+    q_BxLxHxHd, k_BxLxGxHd = lax.stop_gradient(q_BxLxHxHd), lax.stop_gradient(k_BxLxGxHd)
+    B, L, H, Hd = q_BxLxHxHd.shape
+    G = k_BxLxGxHd.shape[2]
+    Lb = math.gcd(L, block)
+    Lb = L if Lb < min(L, 64) else Lb  # no tile size divides L well: one tile
+    Nb = L // Lb
+    q_NbxBxLbxGxHgxHd = q_BxLxHxHd.reshape(B, Nb, Lb, G, H // G, Hd).swapaxes(0, 1)
+    k_NbxBxLbxGxHd = k_BxLxGxHd.reshape(B, Nb, Lb, G, Hd).swapaxes(0, 1)
+    below_LbxLb = jnp.arange(Lb)[:, None] >= jnp.arange(Lb)[None, :]
+    rows, cols = np.tril_indices(Nb)
+
+    def tile(max_GxHg, ij):
+        i, j = ij
+        s = jnp.einsum("bqgrk,bsgk->bgrqs", q_NbxBxLbxGxHgxHd[i], k_NbxBxLbxGxHd[j],
+                       preferred_element_type=jnp.float32)
+        s = jnp.where((i != j) | below_LbxLb, s, -jnp.inf)
+        return jnp.maximum(max_GxHg, jnp.max(s, axis=(0, 3, 4))), None
+
+    # like q, so that inside a per-device program it varies over the same axes
+    init = jnp.full_like(q_BxLxHxHd, -jnp.inf, shape=(G, H // G), dtype=jnp.float32)
+    max_GxHg, _ = lax.scan(tile, init, (jnp.asarray(rows), jnp.asarray(cols)))
+    return max_GxHg.reshape(H) * scale
 
 
 def narrow_values(attention):

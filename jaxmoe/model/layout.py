@@ -82,6 +82,11 @@ class LocalLayout:
         the MoE stack) this program contributes: all of it."""
         return x
 
+    def output_max(self, x: jax.Array) -> jax.Array:
+        """The part of a maximum over the output's tokens (a layer's largest attention
+        logit after the MoE stack) this program contributes: all of it."""
+        return x
+
     def own_rows(self, rows_BxN: jax.Array) -> jax.Array:
         """The rows this program runs outside the MoE stack: all of them."""
         return rows_BxN

@@ -25,10 +25,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import ModelConfig
-from jaxmoe.model.attention import causal_attention, rotate
+from jaxmoe.model.attention import attend, rotate
 from jaxmoe.model.layers import param, rms_norm
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
-from jaxmoe.model.remat import ATTENTION_OUT, ATTENTION_QKV
+from jaxmoe.model.remat import ATTENTION_QKV
 
 # transformers' DeepseekV3RMSNorm default: the latents' norms take no config's eps
 LATENT_NORM_EPS = 1e-6
@@ -104,8 +104,6 @@ class LatentAttention(nnx.Module):
         return jnp.einsum("blhk,hkd->bld", o_BxLxHxHv, self.w_o[...].astype(o_BxLxHxHv.dtype))
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
-                 layout: LocalLayout = LOCAL_LAYOUT) -> jax.Array:
-        with jax.named_scope("attention"):
-            q, k, v = self.qkv(x_BxLxD, positions_BxL)
-            o = layout.attend(causal_attention(self.cfg, layout), q, k, v)
-            return self.out(checkpoint_name(o, ATTENTION_OUT))
+                 layout: LocalLayout = LOCAL_LAYOUT, with_max_logits: bool = False):
+        """As `Attention`'s."""
+        return attend(self, x_BxLxD, positions_BxL, layout, with_max_logits)

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import Config
-from jaxmoe.model.attention import Attention
+from jaxmoe.model.attention import MAX_LOGIT, Attention, unmeasured
 from jaxmoe.model.layers import MLP, RMSNorm, param
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
 from jaxmoe.model.mla import LatentAttention
@@ -48,13 +48,21 @@ class Block(nnx.Module):
             self.mlp = MLP(m.d_model, m.mlp_hidden, std, out_std, rngs)
         self.use_moe = use_moe
         self.mlp_chunk = cfg.train.dense_mlp_chunk
+        # QK-clip rescales heads by their largest logits: the layer reports them
+        self.with_max_logits = cfg.optimizer.qk_clip > 0
 
     def __call__(self, x_BxLxD, positions_BxL, layout: LocalLayout = LOCAL_LAYOUT,
                  jitter_key=None):
+        """x after the layer, and its aux: the MoE's ({} for a dense layer), and with
+        QK-clip its heads' largest attention logits (`attention.MAX_LOGIT`)."""
         x_BxLxD = layout.constrain_batch(x_BxLxD)
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, layout)
-        x_BxLxD, aux = self.feed_forward(x_BxLxD, layout, jitter_key)
-        return layout.constrain_batch(x_BxLxD), aux
+        y_BxLxD = self.attn(self.attn_norm(x_BxLxD), positions_BxL, layout,
+                            self.with_max_logits)
+        logits = {}
+        if self.with_max_logits:
+            y_BxLxD, logits = y_BxLxD[0], {MAX_LOGIT: y_BxLxD[1]}
+        x_BxLxD, aux = self.feed_forward(x_BxLxD + y_BxLxD, layout, jitter_key)
+        return layout.constrain_batch(x_BxLxD), {**aux, **logits}
 
     def feed_forward(self, x_BxLxD, layout: LocalLayout = LOCAL_LAYOUT, jitter_key=None):
         """The block's second half, shared with KV-cache decoding: x + MLP or MoE of
@@ -161,7 +169,8 @@ def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str
                 unroll: bool = False):
     """lax.scan of one block over stacked layer states (leading axis = layers).
 
-    active_N: per-layer flags; an inactive layer passes x through and reports zeros.
+    active_N: per-layer flags; an inactive layer passes x through and reports nothing
+    (`attention.unmeasured`).
     unroll: the layers one after another rather than in a loop: their weights are
     then static slices of the stack and their gradients land in the stack's
     gradient where they belong, where a loop stacks them into a zeroed buffer of
@@ -174,7 +183,8 @@ def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str
         layer_state, k, active = layer
         y, aux = nnx.merge(graphdef, layer_state)(x, positions_BxL, layout, k)
         if active is not None:
-            y, aux = jnp.where(active, y, x), jax.tree.map(lambda a: jnp.where(active, a, 0), aux)
+            y = jnp.where(active, y, x)
+            aux = {k: jnp.where(active, a, unmeasured(k, a)) for k, a in aux.items()}
         # unrolled, no fusion spans two layers: each computes (and rounds) as in a loop
         return jax.lax.optimization_barrier(y) if unroll else y, aux
 
@@ -213,18 +223,23 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens_BxL: jax.Array, *, layout: LocalLayout = LOCAL_LAYOUT,
                key: jax.Array | None = None, remat: str = "none") -> tuple[jax.Array, dict]:
-        """The last block's output [B, L, D] (before the final norm) and aux."""
+        """The last block's output [B, L, D] (before the final norm) and aux: the MoE
+        layers' router stats, and with QK-clip every layer's heads' largest logits
+        [num_layers, H] in model order (`attention.MAX_LOGIT`)."""
         m = self.cfg.model
         B, L = tokens_BxL.shape
         positions_BxL = layout.positions(B, L)
         with jax.named_scope("embed"):
             x = self.embed[...][tokens_BxL].astype(jnp.dtype(m.compute_dtype))
         x = layout.constrain_batch(x)
-        aux = {}
+        aux = dense_aux = {}
         if m.num_dense_layers:
-            x, _ = run_stack(self.dense_layers, x, positions_BxL, layout, None, remat)
+            x, dense_aux = run_stack(self.dense_layers, x, positions_BxL, layout, None, remat)
         if self.cfg.num_moe_layers:
             x, aux = layout.run_moe_stack(self, x, positions_BxL, key, remat)
+        if MAX_LOGIT in dense_aux:  # the dense layers' before the MoE layers'
+            aux = {**aux, MAX_LOGIT: jnp.concatenate(
+                [dense_aux[MAX_LOGIT], *([aux[MAX_LOGIT]] if aux else [])])}
         return x, aux
 
     def mtp_losses(self, h_BxLxD: jax.Array, tokens_BxLn: jax.Array, *,

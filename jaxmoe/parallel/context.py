@@ -67,10 +67,15 @@ def attend_across(attend: Callable, q_BxLxHxHd, k_BxLxGxHd, v_BxLxGxHd,
     """attend(q, k, v) (causal over whole sequences) on a device's chunk of L positions:
     heads for sequence there and back. K/V heads fewer than `context` are repeated to
     one per device, in order, so that device i's query heads (the i-th of `context`
-    blocks) meet the K/V head they were grouped with."""
+    blocks) meet the K/V head they were grouped with. An attend that also returns a
+    per-head value [H / c] (`attention.max_logits`) has it gathered to every head's, [H]."""
     G = k_BxLxGxHd.shape[2]
     if G < context:
         k_BxLxGxHd, v_BxLxGxHd = (jnp.repeat(a, context // G, axis=2)
                                   for a in (k_BxLxGxHd, v_BxLxGxHd))
     q, k, v = map(_sequence_to_heads, (q_BxLxHxHd, k_BxLxGxHd, v_BxLxGxHd))
-    return _heads_to_sequence(attend(q, k, v))
+    out = attend(q, k, v)
+    if isinstance(out, tuple):
+        o, per_head = out
+        return _heads_to_sequence(o), lax.all_gather(per_head, AXIS, axis=0, tiled=True)
+    return _heads_to_sequence(out)

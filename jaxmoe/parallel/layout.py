@@ -226,6 +226,11 @@ class DeviceLayout(GlobalLayout):
         the pipeline) this device contributes: the last stage's, as `output_share`."""
         return self.output_share(x)
 
+    def output_max(self, x: jax.Array) -> jax.Array:
+        """As `output_sum`, for a maximum: the last stage's (-inf elsewhere)."""
+        S = self.mesh.shape["stage"]
+        return x if S == 1 else jnp.where(lax.axis_index("stage") == S - 1, x, -jnp.inf)
+
     def rows_split_over_stages(self, rows: int) -> DeviceLayout:
         """The layout for a loss over `rows` rows a device: with pipeline stages and rows
         that divide among them, one (`StageRowsLayout`) whose stages share the work
@@ -279,6 +284,9 @@ class StageRowsLayout(DeviceLayout):
         return x / self.stages
 
     def output_sum(self, x: jax.Array) -> jax.Array:
+        return x
+
+    def output_max(self, x: jax.Array) -> jax.Array:
         return x
 
 

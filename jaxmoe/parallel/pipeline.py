@@ -42,6 +42,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxmoe.model.attention import MAX_STATS, unmeasured
 from jaxmoe.model.experts import mx_copies, with_mx_copies
 from jaxmoe.model.moe import MEAN_STATS
 from jaxmoe.model.remat import REMAT_POLICIES, keeping_layer_inputs
@@ -123,15 +124,18 @@ def _copies(t, s, M: int, W: int):
 
 def _per_layer(aux, round_, stage, stack: StageStack, num_layers: int, M: int):
     """Per-iteration aux [T, (S,) per, ...] (stage-batched or one stage's) summed into
-    each (round, stage) chunk, in model order; round_ and stage: [T, (S)]. Balance and
-    z losses are averaged over the M micro-batches."""
+    each (round, stage) chunk (or, for a maximum, its largest taken), in model order;
+    round_ and stage: [T, (S)]. Balance and z losses are averaged over the M
+    micro-batches."""
 
-    def one(a):
-        chunks = jnp.zeros((stack.virtual, stack.stages) + a.shape[round_.ndim:], a.dtype)
-        chunks = chunks.at[round_, stage].add(a)
+    def one(key, a):
+        shape = (stack.virtual, stack.stages) + a.shape[round_.ndim:]
+        chunks = unmeasured(key, jnp.zeros(shape, a.dtype))
+        at = chunks.at[round_, stage]
+        chunks = at.max(a) if key in MAX_STATS else at.add(a)
         return chunks.reshape((stack.slots,) + a.shape[round_.ndim + 1:])[:num_layers]
 
-    out = jax.tree.map(one, aux)
+    out = {k: one(k, a) for k, a in aux.items()}
     for mean_key in MEAN_STATS:
         out[mean_key] = out[mean_key] / M
     return out
@@ -166,8 +170,8 @@ def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatche
         valid_S, micro_S, round_S = _copies(t, stages_S, M, W)
         keys = None if key is None else jax.random.split(jax.random.fold_in(key, t), S)
         out_SxbxLxD, aux = run_stages(stage_state, real_SxWxLp, round_S, buffer_SxbxLxD, keys)
-        aux = jax.tree.map(lambda a: jnp.where(
-            valid_S.reshape((S,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a)), aux)
+        aux = {k: jnp.where(valid_S.reshape((S,) + (1,) * (a.ndim - 1)), a, unmeasured(k, a))
+               for k, a in aux.items()}
         store = jnp.where(valid_S[S - 1], lax.dynamic_update_index_in_dim(
             store, out_SxbxLxD[S - 1], micro_S[S - 1], 0), store)
         # stage s's output feeds stage s + 1 next iteration (a collective-permute)
@@ -188,8 +192,8 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
     stack: this device's chunks, [W, 1, per, ...]. Returns (x, aux): x is the model's
     output on the last stage (the only stage whose loss counts:
     `DeviceLayout.output_share`), and aux holds this stage's layers at their
-    model-order positions and zeros elsewhere, so sums over `stage` give every layer
-    once.
+    model-order positions and nothing elsewhere (`attention.unmeasured`), so sums (or
+    maxima) over `stage` give every layer once.
 
     Leaves that arrive as their ZeRO-1 shards (`ddp.Sharded`: the ddp step defers their
     gather here) are gathered round by round: the iterations run as W scans, scan v
@@ -225,7 +229,7 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
         held = jax.tree.leaves(chunks)[0].shape[0]
         out_mxLxD, aux = stage_fn(chunks, real_WxLp[first:first + held],
                                   jnp.clip(round_ - first, 0, held - 1), x_in, k)
-        aux = jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), aux)
+        aux = {k: jnp.where(valid, a, unmeasured(k, a)) for k, a in aux.items()}
         # The last stage keeps its outputs: after the final round, the model's output.
         kept = jnp.where((s == S - 1) & valid, out_mxLxD,
                          lax.dynamic_index_in_dim(store, micro, keepdims=False))
