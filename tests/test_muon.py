@@ -158,7 +158,11 @@ def one_device():
 MESHES = [({"data": 2, "expert": 4}, "alltoall", {}),
           ({"data": 4, "expert": 2}, "alltoall", {}),
           ({"data": 2, "stage": 2, "expert": 2}, "alltoall",
-           {"pipeline": {"stage_microbatches": 2}})]
+           {"pipeline": {"stage_microbatches": 2}}),
+          # ZeRO-1 over the context replicas too; and the auto-sharded program, whose
+          # global arrays hold every matrix whole
+          ({"data": 2, "context": 2, "expert": 2}, "alltoall", {}),
+          ({"data": 8, "parallelism": "fsdp"}, "dense", {})]
 
 
 @pytest.mark.parametrize("mesh, dispatcher, sections", MESHES)
