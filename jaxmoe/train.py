@@ -28,7 +28,7 @@ from jaxmoe.eval import heldout
 from jaxmoe.observe import sinks
 from jaxmoe.observe.monitor import Monitor, to_python
 from jaxmoe.observe.perf import Peak, ProfileWindow, StepClock, memory, throughput
-from jaxmoe.optim import learning_rate_schedule
+from jaxmoe.optim import describe, learning_rate_schedule
 from jaxmoe.overflow import Overflow, OverflowSteps
 from jaxmoe.sharding import make_mesh, process_rows
 from jaxmoe.step import abstract_model, build_steps, with_weights
@@ -136,7 +136,6 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                            "(-1: none); the run directory must be shared by all processes")
     main, damaged = distributed.is_main(), []
     if main and cfg.optimizer.name == "muon":
-        from jaxmoe.optim import describe
         print(describe(abstract_model(cfg)[1], cfg.optimizer.adamw_params), flush=True)
     if main:  # the first run of each program compiles it: tens of seconds of silence
         print(f"compiling{' and restoring from ' + str(ckpt_dir) if saved else ''} ...",

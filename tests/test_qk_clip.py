@@ -40,6 +40,10 @@ BASE = {
 }
 
 
+# `rescaled`'s placement of the factors for parameters held whole, in model order
+WHOLE = (lambda f: f, lambda name, f: f)
+
+
 def _cfg(model, threshold, mesh=None, dispatcher="dense", **sections):
     return config_from_dict({**BASE, "model": model, "mesh": mesh or {"data": 1},
                              "moe": {**BASE["moe"], "dispatcher": dispatcher},
@@ -95,8 +99,7 @@ def test_rescales_exactly_the_heads_over_the_threshold(model):
     max_logit = jnp.asarray([[0.5, 4.0, 2.0, 1.0]])  # tau 1: heads 1 and 2 clipped
     gamma = np.asarray([1.0, 0.25, 0.5, 1.0])
     params = {"dense_layers": {"attn": {k: v[None] for k, v in nnx.state(module).items()}}}
-    clipped = qk_clip.rescaled(cfg, params, max_logit, jnp.asarray(True),
-                               lambda f: f, lambda name, f: f)
+    clipped = qk_clip.rescaled(cfg, params, max_logit, jnp.asarray(True), *WHOLE)
     nnx.update(module, {k: v[0] for k, v in clipped["dense_layers"]["attn"].items()})
     after, v_after = _logits(module, x, positions)
     np.testing.assert_allclose(after, before * gamma[None, :, None, None], rtol=2e-6,
@@ -104,8 +107,7 @@ def test_rescales_exactly_the_heads_over_the_threshold(model):
     np.testing.assert_array_equal(v_after, v_before)
     assert np.abs(after[:, 1] - before[:, 1]).max() > 0.5 * np.abs(before[:, 1]).max()
     # a skipped step clips nothing
-    kept = qk_clip.rescaled(cfg, params, max_logit, jnp.asarray(False), lambda f: f,
-                            lambda name, f: f)
+    kept = qk_clip.rescaled(cfg, params, max_logit, jnp.asarray(False), *WHOLE)
     jax.tree.map(np.testing.assert_array_equal, kept, params)
 
 
@@ -144,8 +146,7 @@ def test_the_step_clips_after_the_update():
     np.testing.assert_allclose(metrics["max_logit"], per_head.max(axis=1), rtol=1e-6)
     np.testing.assert_array_equal(metrics["qk_clipped"], (per_head > tau).sum(axis=1))
     assert 0 < metrics["qk_clipped"].sum() < per_head.size
-    want = qk_clip.rescaled(cfg, unclipped, jnp.asarray(per_head), jnp.asarray(True),
-                            lambda f: f, lambda name, f: f)
+    want = qk_clip.rescaled(cfg, unclipped, jnp.asarray(per_head), jnp.asarray(True), *WHOLE)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=0),
                  clipped, want)
     w_q = clipped["dense_layers"]["attn"]["w_q"]

@@ -238,8 +238,8 @@ class Transformer(nnx.Module):
         if self.cfg.num_moe_layers:
             x, aux = layout.run_moe_stack(self, x, positions_BxL, key, remat)
         if MAX_LOGIT in dense_aux:  # the dense layers' before the MoE layers'
-            aux = {**aux, MAX_LOGIT: jnp.concatenate(
-                [dense_aux[MAX_LOGIT], *([aux[MAX_LOGIT]] if aux else [])])}
+            moe = [aux[MAX_LOGIT]] if MAX_LOGIT in aux else []
+            aux = {**aux, MAX_LOGIT: jnp.concatenate([dense_aux[MAX_LOGIT], *moe])}
         return x, aux
 
     def mtp_losses(self, h_BxLxD: jax.Array, tokens_BxLn: jax.Array, *,
