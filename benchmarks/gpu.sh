@@ -72,13 +72,16 @@ bench() {  # bench NAME SECONDS COMMAND...: a timed benchmark, a FAIL only if it
 }
 
 main() {
-echo "== $(date -u) $(python3 -c 'import jax; print(jax.__version__, jax.devices())')"
+echo "== $(date -u) $(python3 -c 'import jax; print(jax.__version__, jax.devices())')" \
+  "$(python3 -c 'import importlib.metadata as m; print(*(f"{p} {m.version(p)}" for p in ("tokamax", "jax-triton", "triton")))' 2>/dev/null)"
 # backend, devices, overlap_on, overlap_off (the GPU scheduler flags; empty on CPU)
 eval "$(python3 benchmarks/gpu_checks.py env)" || { echo "!! gpu_checks.py env failed"; return 1; }
 budget="${JAXMOE_GPU_BUDGET_S:-$([ "$devices" -ge 8 ] && echo 540 || echo 420)}"
 [ "$smoke" = 1 ] && budget="${JAXMOE_GPU_BUDGET_S:-1200}"
 echo "== $backend, $devices device(s), budget ${budget} s"
 
+# 0. the JAX, CUDA plugin and kernels installed are the cuda extra's pinned releases
+check stack 30
 # 1. the offsets plan of `ragged` at 8+ ranks with skewed counts (exact)
 check ragged_plan 30
 # 2. each expert-parallel dispatcher, EP over every device, against `dense` on one:

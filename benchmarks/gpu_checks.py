@@ -601,9 +601,77 @@ def check_roofline(toy: bool) -> Result:
                   f"measured; {n} GPU(s))" + (": " + "; ".join(problems) if problems else ""))
 
 
+# ---------------------------------------------------------------- the installed stack
+
+# What the grouped expert GEMM's program depends on, pinned to one release each by the
+# `cuda` extra (pyproject.toml): its JAX and plugin, and tokamax's kernel through jax-triton.
+STACK = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "tokamax", "jax-triton",
+         "triton")
+
+
+def extra_pins(extra: str) -> dict[str, str]:
+    """Package -> version specifier of the stack in one of pyproject.toml's extras: its
+    own requirements and those its `jax[cudaN]` brings (jaxlib and the CUDA plugin, from
+    the installed jax's metadata)."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    pins = {}
+    for r in map(Requirement, extras[extra]):
+        pins[r.name] = str(r.specifier)
+        for jax_extra in (r.extras if r.name == "jax" else ()):
+            for dep in map(Requirement, importlib.metadata.requires("jax") or []):
+                if dep.marker is not None and dep.marker.evaluate({"extra": jax_extra}):
+                    pins[dep.name] = str(dep.specifier)
+    return {k: v for k, v in pins.items() if k in STACK}
+
+
+def one_release(spec: str) -> str | None:
+    """The one release a specifier admits ("==X", or ">=X,<=X" as jax's metadata pins);
+    None for a range."""
+    from packaging.specifiers import SpecifierSet
+    specs = list(SpecifierSet(spec))
+    ops, versions = {s.operator for s in specs}, {s.version for s in specs}
+    return versions.pop() if len(versions) == 1 and ops in ({"=="}, {">=", "<="}) else None
+
+
+def not_installed_as(pins: dict[str, str]) -> list[str]:
+    """The pins that this environment's installed releases do not meet."""
+    import importlib.metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return [f"{name} {version(name) or 'not installed'}, the extra pins {spec}"
+            for name, spec in pins.items()
+            if version(name) is None or version(name) not in SpecifierSet(spec)]
+
+
+def check_stack(toy: bool) -> Result:
+    """The JAX, CUDA plugin and grouped-GEMM kernels installed here are the releases the
+    `cuda` extra pins (`cuda12` where JAX's CUDA 12 plugin is installed): the figures
+    that follow are those of what `pip install -e ".[cuda]"` gives."""
+    import importlib.util
+    extra = "cuda12" if importlib.util.find_spec("jax_cuda12_plugin") else "cuda"
+    pins = extra_pins(extra)
+    if perturbed("stack"):
+        pins["jax"] = "==0.0.1"
+    missing = not_installed_as(pins)
+    return Result("stack", "FAIL" if missing else "PASS", f"{len(pins) - len(missing)} of "
+                  f"{len(pins)}", f"the {extra} extra's releases", "; ".join(missing))
+
+
 # ---------------------------------------------------------------- main
 
 CHECKS: dict[str, Callable[[bool], Result]] = {
+    "stack": check_stack,
     "ragged_plan": check_ragged_plan,
     **{n: (lambda toy, n=n: check_dispatch(n, toy)) for n in DISPATCH_NAMES},
     "mxfp8": check_mxfp8,

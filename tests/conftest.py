@@ -19,13 +19,6 @@ os.environ.update(cpu_devices_env(os.environ, 8, force_cpu=False))
 # the programs whose collectives and buffers the tests read are the ones users get.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-# XLA:CPU's elemental emitters generate a fusion's code in about two thirds of the time
-# of its newer fusion emitters (a small ddp+EP train step compiles in 5.3 s instead of
-# 7.8 s, with the same loss to the last bit: benchmarks/compile_flags.py). Code
-# generation only: the HLO, with its fusions, collectives and buffers, is the same.
-if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
-
 # Compiling dominates the suite's time, and many tests (and the training processes
 # they start, which inherit the environment) compile the same programs. A cache set
 # by the caller is kept; otherwise the session's own goes when it ends.

@@ -90,6 +90,33 @@ ENTRY %main (x: f32[256]) -> f32[256] {
 """
 
 
+def test_mesh_axes_replica_groups():
+    """XLA 0.12's form names the mesh and the axes each group runs over; groups equal the
+    iota forms' for the same axes (companions: another axis, another device order)."""
+    mesh = "replica_groups=mesh['a'=2,'b'=4,'one'=1]"
+    assert replica_groups(f"{mesh} {{'b'}}", 8) == replica_groups("replica_groups=[2,4]<=[8]", 8)
+    assert replica_groups(f"{mesh} {{'a'}}", 8) == replica_groups(
+        "replica_groups=[4,2]<=[2,4]T(1,0)", 8)
+    assert replica_groups(f"{mesh} {{'one'}}", 8) == tuple((i,) for i in range(8))
+    assert replica_groups(f"{mesh} {{'a','b','one'}}", 8) == (tuple(range(8)),)
+    # listed order is the order within a group
+    assert replica_groups("replica_groups=mesh['a'=2,'b'=4] {'b','a'}", 8) == (
+        (0, 4, 1, 5, 2, 6, 3, 7),)
+    # sub-axes 'a':(pre)size: size positions of a, below `pre` positions of coarser ones
+    assert replica_groups("replica_groups=mesh['a'=8] {'a':(2)2}", 8) == (
+        (0, 2), (1, 3), (4, 6), (5, 7))
+    assert replica_groups("replica_groups=mesh['a'=8] {'a':(1)2}", 8) == (
+        (0, 4), (1, 5), (2, 6), (3, 7))
+    assert replica_groups("replica_groups=mesh['a'=8] {'a':(1)2,'a':(4)2}", 8) == (
+        (0, 1, 4, 5), (2, 3, 6, 7))
+    # devices laid out otherwise than in order
+    assert replica_groups("replica_groups=mesh['a'=2,'b'=2], device_ids=(0,2,1,3) {'b'}",
+                          4) == ((0, 2), (1, 3))
+    assert replica_groups("replica_groups=mesh['a'=2,'b'=4], device_ids=([2,4]<=[4,2]T(1,0)) "
+                          "{'b'}", 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert replica_groups("replica_groups=maximal_mesh[device_id=3] {}", 8) == ((3,),)
+
+
 def test_replica_group_forms_in_text():
     assert replica_groups("replica_groups=[2,4]<=[8]", 8) == ((0, 1, 2, 3), (4, 5, 6, 7))
     # the transposed iota: groups along the major axis of a [2, 4] mesh

@@ -231,7 +231,8 @@ def test_a_cpu_only_start_prints_no_gpu_traceback():
 
     bare = stderr("import jax; jax.devices()")
     quiet = stderr("import jaxmoe, jax; print(jax.devices())")
-    assert "Traceback" not in quiet and "cuFFT" not in quiet, quiet
+    assert "Traceback" not in quiet and "plugin configuration error" not in quiet, quiet
     if Path("/dev/nvidiactl").exists():
         return  # a GPU machine: nothing to quiet
-    assert "Unable to load cuFFT" in bare  # companion: JAX alone prints it here
+    # companion: JAX alone prints it here
+    assert "Jax plugin configuration error" in bare and "Traceback" in bare, bare

@@ -30,13 +30,33 @@ def _run(name, monkeypatch, fail=False):
     return result
 
 
-@pytest.mark.parametrize("name", ["ragged_plan", "alltoall_bf16", "ragged_fp32", "mxfp8", "train"])
+@pytest.mark.parametrize("name", ["stack", "ragged_plan", "alltoall_bf16", "ragged_fp32", "mxfp8",
+                                  "train"])
 def test_check_passes_and_its_hook_fails_it(name, monkeypatch):
     result = _run(name, monkeypatch)
     assert result.status == "PASS", result.line()  # ragged too, through its CPU lowering
     # the perturbation is applied to the computed answer (compiled programs are cached)
     spoiled = _run(name, monkeypatch, fail=True)
     assert spoiled.status == "FAIL", spoiled.line()
+
+
+def test_the_gpu_compiler_here_is_the_cuda_extras_release():
+    """tests/test_gpu_compile.py compiles with the JAX, CUDA plugin and kernels that `pip
+    install -e ".[cuda]"` installs on a GPU host, so CI cannot test a JAX that users do
+    not get: the cuda extra pins every part of the stack to one release, cuda12 the same
+    but its plugin, and gpu-compile (the test extra's compiler) the same releases, which
+    are the ones installed. Companion: an extra naming another JAX is caught."""
+    cuda = gc.extra_pins("cuda")
+    assert set(cuda) == set(gc.STACK) - {"jax-cuda12-plugin"}, cuda
+    assert all(map(gc.one_release, cuda.values())), cuda
+    compiled_with = gc.extra_pins("gpu-compile")
+    assert {k: gc.one_release(v) for k, v in compiled_with.items()} == {
+        k: gc.one_release(v) for k, v in cuda.items()}
+    assert gc.not_installed_as(compiled_with) == []
+    cuda12 = gc.extra_pins("cuda12")
+    assert cuda12.pop("jax-cuda12-plugin") == cuda.pop("jax-cuda13-plugin") and cuda12 == cuda
+    older = dict(compiled_with, jax="==0.10.2")
+    assert gc.not_installed_as(older) == [f"jax {jax.__version__}, the extra pins ==0.10.2"]
 
 
 def test_checks_that_need_a_gpu_say_why_they_skip(monkeypatch):

@@ -4,6 +4,7 @@ breaks it and shows the check catching the break."""
 
 import functools
 import math
+import os
 from pathlib import Path
 
 import jax
@@ -99,12 +100,13 @@ def _rows_x_experts_x_D_buffers(program: Program, n: int = N) -> list[str]:
 ROUTED = 16
 
 
-@pytest.mark.parametrize("target", ["h100", "b300"])
+@pytest.mark.parametrize("target", ["h100", "b200", "b300"])
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "ragged"])
 def test_expert_gemms_do_the_routed_work(dispatcher, target):
     """bf16 experts on a GPU run a grouped GEMM over the packed routed rows (tokamax's
     Triton kernel), in every pass: forward, recompute, input and weight gradient, of
-    2 GEMMs x 2 layers x 2 micro-batches."""
+    2 GEMMs x 2 layers x 2 micro-batches; Hopper (sm90) and both Blackwells (sm100,
+    sm103)."""
     batch = ROUTED * BASE["train"]["batch_size"]
     program, cfg = _compiled(target, moe__dispatcher=dispatcher, train__batch_size=batch)
     assert program_flops(program).kernels["expert_gemms"] == {"grouped": 4 * 2 * 2 * 2}
@@ -224,6 +226,74 @@ def _gpu_program(target: str, f, *shapes) -> Program:
     return Program(compile_deviceless(jax.jit(f).trace(*args).lower()).as_text())
 
 
+def test_the_specs_name_the_cudnn_that_xla_reads():
+    """XLA 0.12 reads the cuDNN version from the spec's `gpu_device_info` (`dnn_version`):
+    with it the B300's block-scaled MXFP8 GEMM is cuDNN's kernel. Companion: the same
+    spec without it, XLA assumes a cuDNN too old and decomposes the GEMM into a
+    dequantising multiply and a dot."""
+    from jaxmoe.plan.targets import Target, get_target
+
+    def block_scaled(target) -> int:
+        rep = NamedSharding(Mesh(virtual_devices(target, 1), ("x",)), P())
+        f8, e8 = jnp.float8_e4m3fn, jnp.float8_e8m0fnu
+        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=rep) for shape, dtype in
+                (((1, 128, 256), f8), ((1, 128, 256), f8), ((1, 128, 8), e8), ((1, 128, 8), e8))]
+        mm = functools.partial(jax.nn.scaled_matmul, preferred_element_type=jnp.bfloat16)
+        text = compile_deviceless(jax.jit(mm).trace(*args).lower()).as_text()
+        return text.count('custom_call_target="__cudnn$blockScaledDot"')
+
+    b300 = get_target("b300")
+    assert 'dnn_version: "9.' in b300.spec and block_scaled(b300) == 1
+    bare = Target("b300", b300.scale_up, b300.scale_out)
+    bare.__dict__["spec"] = "\n".join(line for line in b300.spec.splitlines()
+                                      if "dnn_version" not in line)
+    assert block_scaled(bare) == 0
+
+
+_CACHE_PROBE = """
+import json, os, sys, warnings
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxmoe.plan.targets import compile_deviceless, virtual_devices
+cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
+jax.jit(lambda a: a * 3.0 + 1.0)(jnp.ones(3))  # the process has used its cache
+rep = NamedSharding(Mesh(virtual_devices("h100", 1), ("x",)), P())
+x = jax.ShapeDtypeStruct((96, 160), jnp.bfloat16, sharding=rep)
+lowered = jax.jit(lambda a: (a @ a.T).sum()).trace(x).lower()
+counts = [len(os.listdir(cache))]
+compile_deviceless(lowered)
+counts.append(len(os.listdir(cache)))
+lowered.compile()
+counts.append(len(os.listdir(cache)))
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    jax.jit(lambda a: (a @ a.T).sum()).trace(x).lower().compile()
+print(json.dumps([counts, [str(w.message)[:60] for w in seen]]))
+"""
+
+
+def test_a_deviceless_program_stays_out_of_the_compilation_cache(tmp_path):
+    """A deviceless executable cannot be loaded back from JAX's persistent cache, and JAX
+    decides once per process whether to use the cache: `compile_deviceless` writes
+    nothing to it even in a process that uses it. Companion: the same program compiled
+    as JAX would is written, and reading it back fails. (In a fresh process: which
+    compile comes first decides the cache for the rest of a process.)"""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu",
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    out = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (cpu, deviceless, as_jax), warned = json.loads(out.stdout.strip().splitlines()[-1])
+    assert cpu >= 1 and deviceless == cpu
+    assert as_jax == cpu + 1
+    assert any(w.startswith("Error reading persistent compilation cache") for w in warned)
+
+
 def test_b300_expert_gemms_are_native_mxfp8():
     program, _ = _compiled("b300", moe__expert_precision="mxfp8")
     calls = _block_scaled_calls(program)
@@ -275,8 +345,9 @@ def test_mxfp8_quantisation_holds_no_constant_broadcasts():
 
 
 def test_attention_is_cudnn_flash_attention():
-    L = BASE["train"]["seq_len"]
-    for program, _ in (_compiled("h100"), _compiled("b300", moe__expert_precision="mxfp8")):
+    L = 80  # a length no other dimension has (BASE's 64 is also a slice of the weights)
+    for program, _ in (_compiled("h100", train__seq_len=L),
+                       _compiled("b300", moe__expert_precision="mxfp8", train__seq_len=L)):
         kernels = program_flops(program).kernels["attention"]
         assert kernels.get("__cudnn$fmhaSoftmax") and kernels.get("__cudnn$fmhaSoftmaxBackward")
         assert _score_buffers(program, L) == []
@@ -314,12 +385,18 @@ def test_latent_attention_is_cudnn_flash_attention(target):
 
     program, cfg = _compiled(target, **MLA)
     L = cfg.train.seq_len
-    kernels = program_flops(program).kernels["attention"]
-    layers = cfg.model.num_layers + cfg.model.mtp_layers
+    runs = {}  # (cuDNN kernel, in the MTP module) -> runs per step
+    for inst, n, _ in program.instructions():
+        if inst.op == "custom-call" and inst.target.startswith("__cudnn$fmha"):
+            key = (inst.target.removeprefix("__cudnn$fmha"), "mtp_" in inst.op_name)
+            runs[key] = runs.get(key, 0) + n
     A = BASE["train"]["accumulation_steps"]
-    # forward twice per slice (recomputed under remat: full), backward once
-    assert kernels.get("__cudnn$fmhaSoftmax") == 2 * A * layers
-    assert kernels.get("__cudnn$fmhaSoftmaxBackward") == A * layers
+    layers, mtp = cfg.model.num_layers, cfg.model.mtp_layers
+    # the layers' forward twice per slice (recomputed under remat: full), backward once;
+    # the MTP module runs last, right before its own backward, so XLA (0.12 on) merges
+    # its recomputation with its forward (checkpointed with prevent_cse=False)
+    assert runs == {("Softmax", False): 2 * A * layers, ("SoftmaxBackward", False): A * layers,
+                    ("Softmax", True): A * mtp, ("SoftmaxBackward", True): A * mtp}
     assert _score_buffers(program, L) == []
     # companion: traced as this CPU host, JAX would refuse cuDNN 192-wide heads, and
     # the kernel choice falls back to XLA's attention (the [L, L] scores)

@@ -89,3 +89,27 @@ def test_gpus_choose_the_kernel_and_cpu_the_buffers():
     assert b300.grouped_gemm(mx) is None  # cuDNN's block-scaled GEMM takes buffers
     assert Kernels("cpu", "cpu").grouped_gemm(bf16) is None
     assert Kernels("cpu", "cpu").with_expert_gemm("xla").grouped_gemm(bf16) == "xla"
+
+
+def test_triton_writes_ptx_for_the_ptxas_that_assembles_it(monkeypatch, tmp_path):
+    """jaxlib assembles a jax-triton kernel with the first ptxas on PATH: Triton is
+    pointed at that one (its PTX version follows the ptxas it is given), unless the
+    caller chose. Companion: another ptxas first on PATH is the one chosen."""
+    import os
+
+    from jaxmoe.ops import grouped_gemm
+
+    variables = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ptxas").write_text("#!/bin/sh\n")
+        (tmp_path / name / "ptxas").chmod(0o755)
+    for order in (("first", "second"), ("second", "first")):
+        for v in variables:
+            monkeypatch.delenv(v, raising=False)
+        monkeypatch.setenv("PATH", os.pathsep.join(str(tmp_path / d) for d in order))
+        grouped_gemm._triton_writes_for_the_assembler()
+        assert {os.environ[v] for v in variables} == {str(tmp_path / order[0] / "ptxas")}
+    monkeypatch.setenv("TRITON_PTXAS_BLACKWELL_PATH", "/opt/mine/ptxas")
+    grouped_gemm._triton_writes_for_the_assembler()
+    assert os.environ["TRITON_PTXAS_BLACKWELL_PATH"] == "/opt/mine/ptxas"

@@ -10,7 +10,7 @@ from jaxmoe.fake_devices import without_fake_devices
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-SUITE_COMPILE_FLAGS = ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")
+SUITE_COMPILE_FLAGS = ("--xla_backend_optimization_level",)
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 

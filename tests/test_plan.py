@@ -64,7 +64,13 @@ def test_47b_fits_a_b300_with_the_shipped_dispatcher(b300):
     assert "roofline of the compiled program" in stdout
     assert roof["tokens_per_s_per_device"] >= 57_000  # the reference's 52k + 10%
     assert roof["step_s"] >= roof["gemm_s"] + roof["memory_bound_s"] > roof["gemm_s"] > 0
-    assert roof["synchronous_collectives"] <= 4 and roof["exposed_collective_s"] < 0.05
+    assert roof["exposed_collective_s"] < 0.05
+    # the expert exchanges run asynchronously (XLA's latency-hiding scheduler); only the
+    # gradients' reduce-scatters at the step's end may run synchronously (XLA 0.12 makes
+    # them so: nothing is left to hide them behind)
+    by_scope = roof["exposed_by_scope"]
+    assert by_scope["all-to-all/dispatch"]["synchronous_ops"] == 0
+    assert {s for s, row in by_scope.items() if row["synchronous_ops"]} <= {"reduce-scatter/reduce"}
     # the expert GEMMs do the routed rows' work in every pass: a grouped kernel over each
     # of 16 local experts' 2,048 routed rows (8 ranks x 8,192 tokens x 4 / 128), 16 whole
     # tiles of 128, packed from buffers of 2,560 (capacity 1.25)

@@ -116,13 +116,10 @@ def test_scope_and_pass_from_the_name_stack(op_name, scope, pass_):
     assert scope_of(op_name) == scope and pass_of(op_name) == pass_
 
 
-def _grouped_hlo(target: str) -> str:
-    """tokamax's ragged dot in all three passes, as XLA:GPU printed them (mosaic's
-    metadata operands left out): [4096, 1024] rows, 8 groups of [1024, 512] weights;
-    the input gradient against the weight transposed and as it is."""
-    tag = ('tokamax:{\\"op\\":{\\"__type\\":\\"tokamax._src.ops.ragged_dot.pallas_triton.'
-           'PallasTritonRaggedDot\\",\\"config\\":{\\"block_m\\":128,\\"block_n\\":128}}}')
-    meta = lambda stack: f'metadata={{op_name="jit(step)/{stack}/expert_gemms/{tag}"}}'  # noqa: E731
+def _gemm_module(calls: list[str]) -> str:
+    """An entry computation around grouped-GEMM calls: x [4096, 1024] rows, 8 groups of
+    [1024, 512] weights w (and wt, transposed), output gradients dy, group sizes s."""
+    body = "\n".join(calls)
     return f"""HloModule jit_step, num_partitions=1
 
 ENTRY %main (x: bf16[4096,1024], w: bf16[8,1024,512], wt: bf16[8,512,1024], dy: bf16[4096,512], s: s32[8]) -> bf16[4096,512] {{
@@ -131,13 +128,26 @@ ENTRY %main (x: bf16[4096,1024], w: bf16[8,1024,512], wt: bf16[8,512,1024], dy: 
   %wt = bf16[8,512,1024]{{2,1,0}} parameter(2)
   %dy = bf16[4096,512]{{1,0}} parameter(3)
   %s = s32[8]{{0}} parameter(4)
-  %fwd = bf16[4096,512]{{1,0}} custom-call(%x, %w, %s), custom_call_target="{target}", {meta("jvp()")}
-  %dx = bf16[4096,1024]{{1,0}} custom-call(%dy, %wt, %s), custom_call_target="{target}", {meta("transpose(jvp())")}
-  %dx2 = bf16[4096,1024]{{1,0}} custom-call(%dy, %w, %s), custom_call_target="{target}", {meta("transpose(jvp())")}
-  %dw = bf16[8,1024,512]{{2,1,0}} custom-call(%x, %dy, %s), custom_call_target="{target}", {meta("transpose(jvp())")}
+{body}
   ROOT %out = bf16[4096,512]{{1,0}} copy(%fwd)
 }}
 """
+
+
+def _grouped_hlo(target: str) -> str:
+    """tokamax's ragged dot in all three passes, tagged as tokamax tags its ops (its Mosaic
+    GPU kernel's metadata operands left out); the input gradient against the weight
+    transposed and as it is."""
+    tag = ('tokamax:{\\"op\\":{\\"__type\\":\\"tokamax._src.ops.ragged_dot.pallas_mosaic_gpu.'
+           'PallasMosaicGpuRaggedDot\\",\\"config\\":{\\"block_m\\":128,\\"block_n\\":128}}}')
+    meta = lambda stack: f'metadata={{op_name="jit(step)/{stack}/expert_gemms/{tag}"}}'  # noqa: E731
+    call = lambda name, out, operands, stack: (  # noqa: E731
+        f'  %{name} = {out} custom-call({operands}), custom_call_target="{target}", {meta(stack)}')
+    return _gemm_module([
+        call("fwd", "bf16[4096,512]{1,0}", "%x, %w, %s", "jvp()"),
+        call("dx", "bf16[4096,1024]{1,0}", "%dy, %wt, %s", "transpose(jvp())"),
+        call("dx2", "bf16[4096,1024]{1,0}", "%dy, %w, %s", "transpose(jvp())"),
+        call("dw", "bf16[8,1024,512]{2,1,0}", "%x, %dy, %s", "transpose(jvp())")])
 
 
 def test_a_grouped_gemm_counts_the_routed_rows_and_a_tile_per_group():
@@ -154,3 +164,59 @@ def test_a_grouped_gemm_counts_the_routed_rows_and_a_tile_per_group():
     other = program_flops(Program(_grouped_hlo("__gpu$xla.gpu.triton").replace(
         "RaggedDot", "FlashAttention")))
     assert "expert_gemms" not in other.by_scope and other.unknown_kernels
+
+
+def _hlo_string(data: bytes) -> str:
+    """`data` as XLA prints a string attribute: C escapes, other bytes as two hex digits."""
+    escapes = {10: "\\n", 13: "\\r", 9: "\\t", 92: "\\\\", 34: '\\"', 39: "\\'"}
+    return "".join(escapes.get(b, chr(b) if 32 <= b < 127 else f"\\{b:02X}") for b in data)
+
+
+def _triton_call(name: str, kernel: str, rows: str, tile: int, out: str, operands: str,
+                 stack: str) -> str:
+    """A jax-triton call as XLA:GPU prints it: the compiled kernel, its Triton IR inside,
+    zlib-compressed in the backend config (the IR cut to what names the kernel and its
+    row tile; a proto's binary fields around it)."""
+    import zlib
+    ir = (f"\x0a\x82\x01module {{\n  tt.func public @{kernel}(%a: !tt.ptr<bf16>) {{\n"
+          f"    %{rows}_20 = tt.make_range {{end = {tile} : i32, start = 0 : i32}} : "
+          f"tensor<{tile}xi32>\n    %offs_n = tt.make_range {{end = 64 : i32, start = 0 : i32}}"
+          f" : tensor<64xi32>\n  }}\n}}\x10\x04\x18\xff\x01").encode("latin-1")
+    opaque = _hlo_string(zlib.compress(ir))
+    return (f'  %{name} = {out} custom-call({operands}), custom_call_target="triton_kernel_call_ffi", '
+            f'api_version=API_VERSION_TYPED_FFI, metadata={{op_name="jit(step)/{stack}/'
+            f'expert_gemms/triton_kernel_call"}}, backend_config={{opaque = "{opaque}"}}')
+
+
+def _jax_triton_hlo(forward_kernel: str = "_ragged_dot_kernel") -> str:
+    """tokamax's Triton ragged dot inside a `shard_map`, where JAX keeps no tag: forward
+    and input gradient (tiles of 128 rows), weight gradient (steps of 32 rows)."""
+    return _gemm_module([
+        _triton_call("fwd", forward_kernel, "offs_m", 128, "bf16[4096,512]{1,0}",
+                     "%x, %w, %s", "jvp()"),
+        _triton_call("dx", "_ragged_dot_kernel", "offs_m", 128, "bf16[4096,1024]{1,0}",
+                     "%dy, %wt, %s", "transpose(jvp())"),
+        _triton_call("dw", "_ragged_contracting_dim_dot_kernel", "offs_k", 32,
+                     "bf16[8,1024,512]{2,1,0}", "%x, %dy, %s", "transpose(jvp())")])
+
+
+def test_a_jax_triton_grouped_gemm_is_read_from_its_kernel():
+    """The kernel inside the call names the pass and its row tile: whole tiles of 128 rows
+    forward and for the input gradient, steps of 32 for the weight gradient."""
+    program = Program(_jax_triton_hlo())
+    full = 2.0 * 4096 * 1024 * 512
+    flops = program_flops(program)
+    assert flops.by_scope["expert_gemms"] == {"forward": full, "backward": 2 * full}
+    assert flops.kernels["expert_gemms"] == {"grouped": 3} and not flops.unknown_kernels
+    program.routed_share = 0.45  # 230.4 rows per group: two tiles of 128, 8 steps of 32
+    counted = program_flops(program).by_scope["expert_gemms"]
+    assert counted == {"forward": 2.0 * (8 * 256) * 1024 * 512,
+                       "backward": 2.0 * (8 * 256) * 1024 * 512 + 2.0 * (8 * 256) * 1024 * 512}
+    program.routed_share = 0.40  # 204.8 rows: two tiles of 128 (256), seven steps of 32 (224)
+    counted = program_flops(program).by_scope["expert_gemms"]
+    assert counted == {"forward": 2.0 * (8 * 256) * 1024 * 512,
+                       "backward": 2.0 * (8 * 256) * 1024 * 512 + 2.0 * (8 * 224) * 1024 * 512}
+    # companion: a jax-triton call of another kernel is no grouped GEMM, and is listed
+    other = program_flops(Program(_jax_triton_hlo("_flash_attention_kernel")))
+    assert other.kernels["expert_gemms"] == {"grouped": 2}
+    assert other.unknown_kernels == {"triton_kernel_call_ffi": 1}

@@ -9,14 +9,13 @@ dot over every group (`benchmarks/ragged_dot_gpu.py`), E times the work.
 
 The implementations (`Kernels.grouped_gemm` picks one from the devices):
 
-- "triton": tokamax's Pallas Triton kernel, on every NVIDIA GPU: one program per
-  group and tile of rows, so a group's rows are computed in whole tiles from its
-  start and nothing past them;
+- "triton": tokamax's Triton kernel, called through jax-triton, on every NVIDIA GPU:
+  one program per group and tile of rows, so a group's rows are computed in whole
+  tiles from its start and nothing past them;
 - "mosaic": tokamax's Pallas Mosaic GPU kernel (warp-specialized, Hopper on), kept
-  but not chosen: on Blackwell it takes the forward but not the weight gradient's
-  dimension numbers, and inside the train step's `shard_map` its H200 program fails
-  JAX's mesh-axis type check when lowered (`benchmarks/RESULTS.md`, "Dropless
-  expert GEMMs");
+  but not chosen: inside the train step's `shard_map` its Blackwell kernel fails
+  JAX's mesh-axis type check when traced (`benchmarks/RESULTS.md`, "jaxmoe on jax
+  0.12"), and one choice for every GPU keeps one program to test;
 - "xla": tokamax's reference (`lax.ragged_dot`), which checks the packed layouts
   on CPU; it computes every group for every row.
 
@@ -30,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
+import shutil
 
 import jax
 from jax import lax
@@ -38,6 +39,7 @@ from jaxmoe.kernels import Kernels
 from jaxmoe.ops.vma import varying_axes, vary
 
 IMPLEMENTATIONS = ("mosaic", "triton", "xla")
+_CUDA_PTXAS = "/usr/local/cuda/bin/ptxas"  # where jaxlib looks when PATH has none
 # forward [C, I] x [E, I, O]; input gradient [C, O] x [E, I, O] (O contracted); weight
 # gradient [C, I] x [C, O] -> [E, I, O] (the ragged C contracted, expert by expert)
 _FORWARD = lax.RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), (0,), (0,))
@@ -76,25 +78,28 @@ def _ragged_dot(lhs, rhs, rows_E, numbers, kernels: Kernels, implementation: str
     absl = logging.getLogger("absl")
     if _no_tuning_notice not in absl.filters:
         absl.addFilter(_no_tuning_notice)
-    from absl import flags  # tokamax would parse the process's own arguments as its flags
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
+    if implementation == "triton":
+        _triton_writes_for_the_assembler()
     traced_for = (jax.default_device(kernels.device) if kernels.device is not None
                   and implementation != "xla" else contextlib.nullcontext())
-    with traced_for, _untyped_kernel_outputs():
+    with traced_for:
         out = tokamax.ragged_dot_general(lhs, rhs, rows_E, numbers,
                                          preferred_element_type=like.dtype,
                                          implementation=implementation)
     return vary(out, varying_axes(like))
 
 
-def _untyped_kernel_outputs():
-    """Lets a Pallas kernel that declares no mesh axes on its outputs (tokamax's Triton
-    ragged dot) be traced inside a `shard_map` that checks them: JAX's own switch for
-    that check, off around the call only (`_ragged_dot` types the result)."""
-    from jax._src import config
-    switch = getattr(config, "_check_vma", None)
-    return switch(False) if switch is not None else contextlib.nullcontext()
+def _triton_writes_for_the_assembler() -> None:
+    """Makes Triton write PTX that the ptxas assembling it reads. Triton writes the
+    newest PTX its own bundled ptxas takes (Triton 3.8's Blackwell ptxas is CUDA 13.3's:
+    PTX 9.3), but jaxlib assembles a jax-triton kernel with the first ptxas on PATH, else
+    a CUDA install's (/usr/local/cuda): an older one (CUDA 13.0's takes 9.0) rejects the
+    kernel, and the B200/B300 program fails to compile. Triton's own variables, where the
+    caller set them, win."""
+    ptxas = shutil.which("ptxas") or (_CUDA_PTXAS if os.access(_CUDA_PTXAS, os.X_OK) else None)
+    if ptxas is not None:
+        for variable in ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH"):
+            os.environ.setdefault(variable, ptxas)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

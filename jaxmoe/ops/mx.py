@@ -173,7 +173,8 @@ def _gemm(a, b, out_dtype, native: bool) -> jax.Array:
         (qa, sa), (qb, sb) = a, b
         out = jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=out_dtype)
         # its result type forgets the mesh axes its operands vary over (inside shard_map,
-        # jax 0.10); restore them, or a custom VJP around it fails JAX's type check
+        # jax 0.10 and 0.12 alike); restore them, or a custom VJP around it fails JAX's
+        # type check
         return vary(out, varying_axes(qa) | varying_axes(qb))
     return jnp.einsum("eci,eoi->eco", a, b, preferred_element_type=jnp.float32).astype(out_dtype)
 

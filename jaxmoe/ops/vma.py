@@ -1,6 +1,6 @@
 """Which mesh axes a value varies over inside a `shard_map`, read in one place.
 
-JAX (0.10) keeps them on a value's type, `jax.typeof(x).manual_axis_type.varying`
+JAX (0.10 on) keeps them on a value's type, `jax.typeof(x).manual_axis_type.varying`
 (on a `jax.ShapeDtypeStruct` from `eval_shape` too); outside a `shard_map` the set
 is empty. `check_vma` holds collectives and custom VJPs to these types, so the
 code that builds values inside the per-device step casts with `vary`.

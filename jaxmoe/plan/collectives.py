@@ -58,17 +58,76 @@ class KindTotal:
     ops_in_loops: int  # distinct ops inside while bodies
 
 
+def _iota(dims: str, reshape: str, perm: str | None) -> np.ndarray:
+    """XLA's iota device list `[dims]<=[reshape]T(perm)`."""
+    ids = np.arange(math.prod(int(d) for d in reshape.split(","))).reshape(
+        [int(d) for d in reshape.split(",")])
+    if perm:
+        ids = ids.transpose([int(d) for d in perm.split(",")])
+    return ids.reshape([int(d) for d in dims.split(",")])
+
+
+def _mesh_axes_groups(axes_text: str, devices_text: str | None,
+                      grouped_text: str) -> tuple[tuple[int, ...], ...]:
+    """The groups of XLA's mesh-axes form (0.12 on), `mesh['a'=2,'b'=4] {'b'}`: devices
+    laid out on the named mesh (iota, unless `device_ids=(...)` lists them), one group per
+    position of the other axes, running over the grouped ones in their listed order. A
+    grouped sub-axis `'a':(pre)size` is the `size` positions of `a` with stride `pre`."""
+    names, sizes = zip(*[(n, int(v)) for n, v in re.findall(r"'?([\w.\-]+)'?=(\d+)", axes_text)])
+    if devices_text is None:
+        devices = np.arange(math.prod(sizes))
+    elif m := re.search(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", devices_text):
+        devices = _iota(*m.groups())
+    else:
+        devices = np.array([int(d) for d in re.findall(r"\d+", devices_text.split("]")[-1])])
+    refs = [(names.index(n), int(pre) if pre else None, int(size) if size else None)
+            for n, pre, size in re.findall(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", grouped_text)]
+    # each mesh axis split into the pieces its grouped sub-axes need, major to minor
+    dims, grouped = [], {}
+    for axis, size in enumerate(sizes):
+        mine = sorted((pre, sub, i) for i, (a, pre, sub) in enumerate(refs) if a == axis)
+        if not mine:
+            dims.append(size)
+            continue
+        if mine[0][0] is None:  # the whole axis
+            grouped[mine[0][2]] = len(dims)
+            dims.append(size)
+            continue
+        # sub-axes, major to minor: `pre` is the product of the pieces of the axis before
+        # (major to) it, so the axis splits into [pre, size, rest] around each
+        covered = 1
+        for pre, sub, i in mine:
+            if pre != covered:
+                dims.append(pre // covered)
+            grouped[i] = len(dims)
+            dims.append(sub)
+            covered = pre * sub
+        if covered != size:
+            dims.append(size // covered)
+    order = [grouped[i] for i in range(len(refs))]
+    rest = [d for d in range(len(dims)) if d not in order]
+    ids = devices.reshape(dims).transpose(rest + order)
+    n = math.prod(dims[d] for d in order)
+    return tuple(tuple(int(i) for i in g) for g in ids.reshape(-1, n))
+
+
 def replica_groups(attrs: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
     """The device groups of a collective (program-order device indices), from
     `replica_groups={{0,1},{2,3}}`, the iota form `replica_groups=[G,n]<=[dims]` with
-    an optional transpose `T(perm)` (G groups of n), or `{}` / none (all devices). A
-    collective-permute has pairs instead, and counts as one group of all devices."""
+    an optional transpose `T(perm)` (G groups of n), the mesh-axes form
+    `replica_groups=mesh['a'=2,'b'=4] {'b'}` (`_mesh_axes_groups`), or `{}` / none (all
+    devices). A collective-permute has pairs instead, and counts as one group of all
+    devices."""
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))? "
+                     r"\{([^}]*)\}", attrs)
+    if mesh:
+        return _mesh_axes_groups(*mesh.groups())
+    if maximal := re.search(r"replica_groups=maximal_mesh\[device_id=(\d+)\]", attrs):
+        return ((int(maximal.group(1)),),)
     iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
     if iota:
         shape = [int(d) for d in iota.group(1).split(",")]
-        ids = np.arange(math.prod(shape)).reshape([int(d) for d in iota.group(2).split(",")])
-        if iota.group(3):
-            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+        ids = _iota(iota.group(1), iota.group(2), iota.group(3))
         return tuple(tuple(int(i) for i in g) for g in ids.reshape(-1, shape[-1]))
     listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
     groups = tuple(tuple(int(d) for d in g.split(",") if d)

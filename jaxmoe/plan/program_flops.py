@@ -24,19 +24,29 @@ A grouped GEMM (tokamax's ragged dot, `jaxmoe.ops.grouped_gemm`; forward, input
 and weight gradient) computes only the rows its groups hold, which are data, not
 shapes. At balanced routing, the planner's premise, each of its E groups (experts)
 holds `Program.routed_share` x C / E of its C rows (the routed copies over the rows
-of the buffers they are packed into), and the kernel runs whole tiles of block_m
-rows from each group's start (tokamax's Triton kernel: one program per group and
-row tile that starts inside the group; its weight gradient steps through a group's
-rows in tiles no longer), so with I inputs and O outputs it counts
+of the buffers they are packed into), and the kernel runs whole tiles of rows from
+each group's start, so with I inputs, O outputs and row tiles of T it counts
 
-    grouped GEMM      2 x min(C, E x ceil(share x C / E / block_m) x block_m) x I x O
+    grouped GEMM      2 x min(C, E x ceil(share x C / E / T) x T) x I x O
+
+The program names its grouped GEMMs two ways. tokamax's Triton kernel is a jax-triton
+call (`triton_kernel_call_ffi`) whose backend config carries the compiled kernel (a
+zlib-compressed proto with its Triton IR): the IR names the kernel (tokamax's
+`_ragged_dot_kernel` for forward and input gradient, one program per group and tile
+of rows that starts inside it; `_ragged_contracting_dim_dot_kernel` for the weight
+gradient, which steps through a group's rows) and its tiles as the ranges of its
+offsets (`offs_m`, the rows of the first; `offs_k`, the rows the second contracts).
+Its other kernels (Mosaic GPU) carry tokamax's own JSON tag with their tiles, where
+JAX keeps it on the op (outside a `shard_map`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -54,9 +64,15 @@ PASSES = ("forward", "backward", "recompute")
 _GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 _BLOCK_SCALED = ("__cudnn$blockScaledDot", "__op$block_scaled_dot")
 _ATTENTION = re.compile(r"^__cudnn\$fmha\w*$")
-# tokamax names its op, tiles included, in the call's op_name (escaped JSON)
+# tokamax names its op, tiles included, in the call's metadata (escaped JSON)
 _GROUPED = re.compile(r'tokamax:\{\\"op\\":\{\\"__type\\":\\"[\w.]*RaggedDot')
 _BLOCK_M = re.compile(r'\\"block_m\\":(\d+)')
+# jax-triton's call, and tokamax's ragged-dot kernels in it: the offsets that range over rows
+_TRITON_CALL = "triton_kernel_call_ffi"
+_OPAQUE = re.compile(r'opaque = "((?:[^"\\]|\\.)*)"')
+_RAGGED_KERNELS = {"_ragged_dot_kernel": "offs_m", "_ragged_contracting_dim_dot_kernel": "offs_k"}
+_KERNEL = re.compile(r"tt\.func public @(\w+)")
+_C_ESCAPES = {"n": 10, "r": 13, "t": 9, "\\": 92, '"': 34, "'": 39}
 
 
 @dataclass
@@ -129,9 +145,44 @@ def _block_scaled_flops(inst: Instruction, program: Program) -> float:
     return 2.0 * math.prod(out[0][1]) * lhs[0][1][-1] if lhs and out else 0.0
 
 
+def _unescape(text: str) -> bytes:
+    """The bytes of an HLO string literal (C escapes, other bytes as two hex digits)."""
+    def byte(m: re.Match) -> str:
+        e = m.group(1)
+        return chr(int(e, 16) if len(e) == 2 else _C_ESCAPES.get(e, ord(e)))
+    return re.sub(r"\\([0-9A-Fa-f]{2}|.)", byte, text).encode("latin-1")
+
+
+@functools.lru_cache(maxsize=4096)
+def _triton_ir(attrs: str) -> str:
+    """The Triton IR of a jax-triton call's kernel ("" if it carries none)."""
+    m = _OPAQUE.search(attrs)
+    try:
+        return zlib.decompress(_unescape(m.group(1))).decode("latin-1") if m else ""
+    except zlib.error:
+        return ""
+
+
+def _row_tile(inst: Instruction) -> int | None:
+    """The rows a grouped GEMM's kernel computes together from each group's start; None
+    if `inst` is not tokamax's ragged dot."""
+    if inst.op != "custom-call":
+        return None
+    if inst.target == _TRITON_CALL:
+        ir = _triton_ir(inst.attrs)
+        kernel = _KERNEL.search(ir)
+        rows = _RAGGED_KERNELS.get(kernel.group(1)) if kernel else None
+        tile = rows and re.search(rf"%{rows}(?:_\d+)? = tt\.make_range \{{end = (\d+)", ir)
+        return int(tile.group(1)) if tile else None
+    if _GROUPED.search(inst.attrs):
+        m = _BLOCK_M.search(inst.attrs)
+        return int(m.group(1)) if m else 1
+    return None
+
+
 def grouped_gemm(inst: Instruction) -> bool:
     """Whether `inst` is a grouped GEMM (tokamax's ragged dot, any pass)."""
-    return inst.op == "custom-call" and bool(_GROUPED.search(inst.attrs))
+    return _row_tile(inst) is not None
 
 
 def _grouped_flops(inst: Instruction, program: Program) -> float:
@@ -153,8 +204,8 @@ def _grouped_flops(inst: Instruction, program: Program) -> float:
     else:
         E, a, b = out
         C, per_row = math.prod(operands[0]) // a, 2 * a * b
-    block = int(m.group(1)) if (m := _BLOCK_M.search(inst.attrs)) else 1
-    return min(C, E * math.ceil(program.routed_share * C / E / block) * block) * per_row
+    tile = _row_tile(inst)
+    return min(C, E * math.ceil(program.routed_share * C / E / tile) * tile) * per_row
 
 
 def _attention_flops(inst: Instruction) -> float:

@@ -51,6 +51,9 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "whil
 _COLLECTIVE = {"all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all",
                "collective-permute", "collective-broadcast"}
 _VIEWS = {"bitcast", "reshape"}  # same bytes, another shape
+# a fusion, or one launched asynchronously (XLA 0.12 wraps the layer loops' slices and
+# in-place updates so: `fusion-start` runs the fused computation, `fusion-done` waits)
+_FUSIONS = {"fusion", "fusion-start"}
 _SLICES = {"slice", "dynamic-slice", "gather"}
 # each collective's fixed cost, whatever its size (NCCL's small-message latency)
 LATENCY_S = {"scale_up": 10e-6, "scale_out": 25e-6}
@@ -213,7 +216,7 @@ def _peak(link: Link, dtype: str) -> float:
 
 def kernel_cost(program: Program, inst: Instruction, link: Link) -> tuple[float, float, float]:
     """(FLOPs, bytes, seconds) of one kernel's run."""
-    if inst.op == "fusion":
+    if inst.op in _FUSIONS:
         moved = _fusion_bytes(program, inst)
         products = list(_products(program, inst.callee))
     else:
@@ -419,4 +422,4 @@ def quantisations(program: Program) -> list[tuple[int, bool, str, tuple[int, ...
     are those under `working_copy`."""
     return [(runs, in_loop, inst.op_name, arrays(inst.type_text)[0][1])
             for inst, runs, in_loop in program.instructions()
-            if inst.op == "fusion" and "quantize" in inst.op_name]
+            if inst.op in _FUSIONS and "quantize" in inst.op_name]

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
+import os
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -126,14 +128,29 @@ def virtual_devices(target: Target | str, num_devices: int, hosts: int | None = 
 def compile_deviceless(lowered, compiler_options: dict | None = None):
     """`lowered.compile(compiler_options)` for a program lowered on virtual devices. A
     deviceless executable cannot be read back from JAX's compilation cache (it has no
-    client to load into), so the cache is off for it."""
+    client to load into), so none is written there: the cache is off, and where this
+    process has used it already (JAX decides that once), no compile is slow enough to
+    be kept.
+
+    Without a device there is nothing to autotune: at its default level XLA 0.12's
+    config assigner still compiles each fusion's candidate kernels, only to keep the
+    first that compiles (two thirds of a compile); at level 0 it keeps that one at once,
+    and the program is the same (`benchmarks/RESULTS.md`, "jaxmoe on jax 0.12"). A level
+    in the caller's options or XLA_FLAGS is theirs."""
     import jax
-    cached = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
+    options = dict(compiler_options or {})
+    if "--xla_gpu_autotune_level=" not in os.environ.get("XLA_FLAGS", ""):
+        options.setdefault("xla_gpu_autotune_level", 0)
+    kept = {"jax_enable_compilation_cache": False,
+            "jax_persistent_cache_min_compile_time_secs": math.inf}
+    before = {name: getattr(jax.config, name) for name in kept}
+    for name, value in kept.items():
+        jax.config.update(name, value)
     try:
-        return lowered.compile(compiler_options)
+        return lowered.compile(options)
     finally:
-        jax.config.update("jax_enable_compilation_cache", cached)
+        for name, value in before.items():
+            jax.config.update(name, value)
 
 
 @contextlib.contextmanager

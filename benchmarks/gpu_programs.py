@@ -1,0 +1,116 @@
+"""The shipped GPU configs' programs, compiled without a GPU: one row of figures each.
+
+    JAX_PLATFORMS=cpu python benchmarks/gpu_programs.py [NAME ...] [--json FILE]
+
+Compiles each train step for its target with XLA:GPU's deviceless compiler
+(`jaxmoe.plan`) and prints, per program: the JAX and tokamax it was built with, the
+peak memory, the roofline's predicted step, the memory-bound kernels' bytes, the
+exposed collectives and the expert GEMMs' FLOPs over the routed rows'. Run it under
+two JAX releases (or before and after a change) to set their programs side by side;
+it reads nothing but `jaxmoe.plan.planner.plan`'s figures, so it also runs against an
+older checkout, whose configs it then compiles (`PYTHONPATH=OLD_CHECKOUT python
+benchmarks/gpu_programs.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin compiles, nothing runs
+if __name__ == "__main__" and "jaxmoe" not in os.environ.get("PYTHONPATH", ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jaxmoe  # noqa: E402
+
+ROOT = Path(jaxmoe.__file__).resolve().parents[1]  # the checkout whose configs are compiled
+
+# name -> (config, target, planner --set overrides)
+PROGRAMS = {
+    "47b_b300": ("configs/olmoe_8layer_e128.yaml", "b300", ["mesh.data=1", "mesh.expert=8"]),
+    "47b_h200": ("configs/olmoe_8layer_e128.yaml", "h200", ["mesh.data=1", "mesh.expert=8"]),
+    "47b_b200": ("configs/olmoe_8layer_e128.yaml", "b200", ["mesh.data=1", "mesh.expert=8"]),
+    "47b_h100": ("configs/olmoe_8layer_e128.yaml", "h100", ["mesh.data=1", "mesh.expert=8"]),
+    "1200b_b300": ("configs/moe_1200b_512gpu.yaml", "b300", []),
+    "671b_b300": ("configs/deepseek_v3_671b.yaml", "b300", []),
+    "small_h100": ("configs/gpu1_small.yaml", "h100", []),
+}
+
+
+# the programs a release is compared on (the 47B on a B200 and an H100 on request)
+DEFAULT = ["small_h100", "47b_b300", "47b_h200", "1200b_b300", "671b_b300"]
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def figures(name: str) -> dict:
+    from jaxmoe.plan.planner import plan
+
+    config, target, overrides = PROGRAMS[name]
+    start = time.perf_counter()
+    p = plan(str(ROOT / config), overrides, target, target, 0.4)
+    roof = p["roofline"]
+    return {"program": name, "jax": _version("jax"), "tokamax": _version("tokamax"),
+            "peak_gb": p["bytes_per_device"]["peak"] / 1e9,
+            "step_s": roof["step_s"],
+            "model_tflops_per_device": roof["model_tflops_per_device"],
+            "tokens_per_s_per_device": roof["tokens_per_s_per_device"],
+            "fits": p["fits"],
+            "memory_bound_bytes": roof["memory_bound_bytes"],
+            "memory_bound_s": roof["memory_bound_s"],
+            "exposed_collective_s": roof["exposed_collective_s"],
+            "synchronous_collectives": roof["synchronous_collectives"],
+            "expert_gemm_over_routed": p["expert_gemm_flops_ratio"].get("max"),
+            "expert_gemm": p["kernels"]["expert_gemm"],
+            "exposed_by_scope": {k: v for k, v in roof["exposed_by_scope"].items()
+                                 if v["exposed_s"] > 1e-3},
+            "memory_bound_by_scope": dict(list(roof["memory_bound_by_scope"].items())[:8]),
+            "compile_s": time.perf_counter() - start}
+
+
+def row(f: dict) -> str:
+    ratio = f["expert_gemm_over_routed"]
+    return (f"| {f['program']} | {f['jax']} | {f['tokamax']} | {f['peak_gb']:.2f} GB "
+            f"| {f['step_s']:.3f} s | {f['model_tflops_per_device']:,.0f} "
+            f"| {f['memory_bound_bytes']:.3e} | {f['exposed_collective_s']:.3f} s "
+            f"({f['synchronous_collectives']} sync) "
+            f"| {'-' if ratio is None else f'{ratio:.2f}x'} ({f['expert_gemm']}) |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", default=DEFAULT, metavar="NAME",
+                        help=f"programs to compile (default: {', '.join(DEFAULT)}; any of "
+                             f"{', '.join(PROGRAMS)})")
+    parser.add_argument("--json", help="append each program's figures to this file, a line each")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in PROGRAMS]
+    if unknown:
+        parser.error(f"unknown program(s) {unknown}; choose from {list(PROGRAMS)}")
+    rows = []
+    for name in args.names:
+        f = figures(name)
+        rows.append(row(f))
+        print(rows[-1], flush=True)
+        if args.json:
+            with open(args.json, "a") as out:
+                out.write(json.dumps(f) + "\n")
+    print("| program | jax | tokamax | peak | step | model TFLOP/s | memory-bound bytes "
+          "| exposed collectives | expert GEMMs / routed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
