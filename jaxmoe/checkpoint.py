@@ -121,6 +121,15 @@ class Saver:
         self.pending = int(state.step)
         self.check()
 
+    def save_good(self, state: TrainState, data_state: dict, steps: Steps) -> bool:
+        """Saves `state` unless its weights gave the step that made it a non-finite loss
+        or gradient (that step was skipped: `state.bad_steps` counts the streak), so no
+        checkpoint is saved from inside a divergence; False if not saved."""
+        if int(state.bad_steps):
+            return False
+        self.save(state, data_state, steps)
+        return True
+
     def _failed(self, error: str) -> None:
         if len(self.errors) < 64:  # the failed save's writers may each report
             self.errors.append(error)
@@ -349,15 +358,15 @@ def newest_readable(directory: str | Path, read: Callable[[int], T], step: int |
 _SKIPPED: set[str] = set()
 
 
-def set_aside(directory: str | Path, step: int) -> Path:
-    """Renames a damaged checkpoint out of the steps' names (`STEP.damaged`, then
-    `.damaged-2`, ...): kept, and no longer a step for a save to collide with or for
-    the manager to count among those it keeps."""
+def set_aside(directory: str | Path, step: int, why: str = "damaged") -> Path:
+    """Renames a checkpoint out of the steps' names (`STEP.damaged`, `STEP.diverged`,
+    then `.damaged-2`, ...): kept, and no longer a step to resume from, for a save to
+    collide with or for the manager to count among those it keeps."""
     directory = Path(directory)
-    target, n = directory / f"{step}.damaged", 1
+    target, n = directory / f"{step}.{why}", 1
     while target.exists():
         n += 1
-        target = directory / f"{step}.damaged-{n}"
+        target = directory / f"{step}.{why}-{n}"
     (directory / str(step)).rename(target)
     return target
 

@@ -7,17 +7,22 @@ then finds the coordinator itself. Otherwise it is a single process and nothing
 here does anything.
 
 Every process must call `initialize` before anything touches a device. A process
-that dies is noticed by the coordination service within `peer_timeout` seconds
-(missed heartbeats), and every other process then stops with JAX's error naming
-the dead task; a process that leaves early waits at most as long for the rest.
+that dies is noticed by the others within half of `peer_timeout` seconds (at
+most 30): each says it is alive every second in the coordination service's
+key-value store, and one that falls silent ends every other process with one
+line (`PeerWatch`), before JAX's own heartbeat timeout would abort them with its
+log. A process that leaves early waits at most `peer_timeout` for the rest.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+import threading
+import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import numpy as np
@@ -129,6 +134,117 @@ def initialize(p: Processes | None) -> None:
         coordinator_address=p.coordinator, num_processes=p.num_processes,
         process_id=p.process_id, initialization_timeout=p.peer_timeout,
         heartbeat_timeout_seconds=p.peer_timeout, shutdown_timeout_seconds=p.peer_timeout)
+    global _watch
+    from jax._src.distributed import global_state  # private: where JAX keeps its client
+    _watch = PeerWatch(global_state.client, p.process_id, p.num_processes,
+                       silence_s=min(p.peer_timeout / 2, 30.0))
+    _watch.start()
+
+
+class PeerWatch:
+    """Each process of a job says it is alive every `BEAT_S` seconds (a counter of its
+    own in the coordination service's key-value store, which process 0 holds).
+    Process 0 reads them all; a counter that stands still for `silence_s` makes it
+    write why under `STOP` and leave after two beats, and every other process, which
+    reads that one key each beat, leaves first: one line on stderr, the cleanups
+    registered with `on_stop` (the run directory's lock), exit status 2. A process that
+    has finished says so (`done`) and is no longer watched. Without this, JAX's
+    missed-heartbeat abort after the whole peer timeout prints the coordination
+    service's log on every process. A lost process 0 takes the store with it: JAX
+    aborts the others within a second (its `missed_heartbeat_callback`, which would
+    let them leave in one line, fails on jaxlib 0.12 with std::bad_cast)."""
+
+    BEAT_S = 1.0
+    PREFIX = "jaxmoe/peer_watch"
+    STOP = f"{PREFIX}/stop"
+
+    def __init__(self, client, me: int, n: int, silence_s: float):
+        self.client, self.me, self.n = client, me, n
+        self.silence_s = max(silence_s, 3 * self.BEAT_S)
+        self.cleanups: list[Callable[[], None]] = []
+        self._finished = threading.Event()
+        self.exit = os._exit  # past the main thread, wherever it waits
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="peer-watch", daemon=True).start()
+
+    def on_stop(self, cleanup: Callable[[], None]) -> None:
+        self.cleanups.append(cleanup)
+
+    def done(self) -> None:
+        """This process has finished: stop watching, and tell the others."""
+        if not self._finished.is_set():
+            self._finished.set()
+            try:
+                self.client.key_value_set(f"{self.PREFIX}/done/{self.me}", "1")
+            except Exception:  # noqa: BLE001: the store may be gone already; nothing to tell
+                pass
+
+    def verdict(self) -> None:
+        """Waits long enough for a lost peer to be noticed (and this process ended)."""
+        if not self._finished.is_set():
+            time.sleep(self.silence_s + 3 * self.BEAT_S)
+
+    def _run(self) -> None:
+        seen: dict[int, tuple[str, float]] = {}
+        while not self._finished.wait(self.BEAT_S):
+            try:
+                self.client.key_value_increment(f"{self.PREFIX}/beat/{self.me}", 1)
+                if self.me != 0:
+                    return self._stop(self.client.key_value_try_get(self.STOP))
+                entries = dict(self.client.key_value_dir_get(self.PREFIX))
+            except Exception as e:  # noqa: BLE001: no stop written, or the store is gone
+                if str(e).startswith("NOT_FOUND"):
+                    continue
+                return  # this process finished, or JAX's own abort follows a lost process 0
+            now = time.monotonic()
+            for peer in range(1, self.n):
+                if f"{self.PREFIX}/done/{peer}" in entries:
+                    continue
+                beat = entries.get(f"{self.PREFIX}/beat/{peer}", "")
+                last = seen.get(peer)
+                if last is None or last[0] != beat:
+                    seen[peer] = (beat, now)
+                elif now - last[1] > self.silence_s and not self._finished.is_set():
+                    why = (f"process {peer} of {self.n} has been silent for "
+                           f"{now - last[1]:.0f} s (killed, or its host lost); every process "
+                           "stopped")
+                    self.client.key_value_set(self.STOP, why)
+                    time.sleep(2 * self.BEAT_S)  # the others leave before the store does
+                    return self._stop(why)
+
+    def _stop(self, why: str) -> None:
+        print(f"error: {why}", file=sys.stderr, flush=True)
+        for cleanup in self.cleanups:
+            try:
+                cleanup()
+            except Exception:  # noqa: BLE001: leaving regardless
+                pass
+        sys.stdout.flush()
+        self.exit(2)
+
+
+_watch: PeerWatch | None = None
+
+
+def on_stop(cleanup: Callable[[], None]) -> None:
+    """Runs `cleanup` if a lost peer ends this process (nothing for a single process)."""
+    if _watch is not None:
+        _watch.on_stop(cleanup)
+
+
+def failed() -> None:
+    """Before an unexpected error is reported: if a peer was lost (a CPU collective
+    fails at once where a GPU one would wait), the watch ends this process in one line
+    within its silence; otherwise this returns and the error is reported as it is."""
+    if _watch is not None:
+        _watch.verdict()
+
+
+def finished() -> None:
+    """This process is done: the others stop watching it (nothing for a single process)."""
+    if _watch is not None:
+        _watch.done()
 
 
 def is_main() -> bool:

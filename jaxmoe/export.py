@@ -14,12 +14,18 @@ generation_config.json for the family that has the model's architecture (see
 float32), and the run's tokenizer (`--tokenizer` names another): for a byte-level
 run, a tokenizer.json whose ids are the bytes, so `AutoTokenizer` gives the ids the
 model trained on. It runs on the host's CPU, converting one layer at a time.
+
+Either is written beside OUT and renamed into its place once whole
+(`written_whole`): an export killed midway leaves the old OUT as it was.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -58,6 +64,57 @@ def named_tensors(params: nnx.State, cfg: Config) -> dict[str, tuple[np.ndarray,
     return out
 
 
+@contextlib.contextmanager
+def written_whole(out: str | Path):
+    """Yields a path beside `out` to write the export to, and puts it in `out`'s place
+    once written: `out` holds the old export or the new one, never half of one. A
+    directory replaces the old one, taking along the old one's files it does not write
+    itself (old weight shards and their index excepted: they would be read); what a
+    killed export leaves is a hidden `.OUT.partial-PID`, removed by the next export."""
+    out = Path(out).absolute()
+    for left in out.parent.glob(f".{out.name}.partial-*"):  # of a killed export
+        if not _alive(left.name.rsplit("-", 1)[-1]):
+            _remove(left)
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    _remove(partial)
+    try:
+        yield partial
+    except BaseException:
+        _remove(partial)
+        raise
+    if not partial.is_dir():
+        os.replace(partial, out)
+        return
+    if out.is_dir():
+        for old in out.iterdir():
+            if not (partial / old.name).exists() and not old.name.startswith("model") \
+                    and old.name != hf.INDEX:
+                (shutil.copytree if old.is_dir() else shutil.copy2)(old, partial / old.name)
+        previous = out.with_name(f".{out.name}.previous-{os.getpid()}")
+        out.rename(previous)
+        partial.rename(out)
+        _remove(previous)
+    else:
+        partial.rename(out)
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def export(checkpoint_path: str | Path, out: str | Path) -> dict[str, tuple]:
     from safetensors.numpy import save_file
 
@@ -66,7 +123,9 @@ def export(checkpoint_path: str | Path, out: str | Path) -> dict[str, tuple]:
     tensors = named_tensors(weights, cfg)
     metadata = {"format": "jaxmoe", "step": str(step), "config": json.dumps(meta["config"]),
                 "axes": json.dumps({k: axes for k, (_, axes) in tensors.items()})}
-    save_file({k: np.ascontiguousarray(v) for k, (v, _) in tensors.items()}, str(out), metadata)
+    with written_whole(out) as partial:
+        save_file({k: np.ascontiguousarray(v) for k, (v, _) in tensors.items()}, str(partial),
+                  metadata)
     return tensors
 
 
@@ -90,7 +149,11 @@ def export_hf(checkpoint_path: str | Path, out: str | Path, dtype: str = "float3
         check_vocab(tokenizer, saved.model.vocab_size)
     params = jax.tree.map(np.asarray, weights.to_pure_dict())  # host arrays, not copies
     del weights
-    return hf.save_hf(params, cfg, out, dtype=dtype, tokenizer=tokenizer, shard_bytes=shard_bytes)
+    if Path(out).exists() and not Path(out).is_dir():
+        raise hf.HFError(f"--out {out} is a file; give a directory")
+    with written_whole(out) as partial:
+        return hf.save_hf(params, cfg, partial, dtype=dtype, tokenizer=tokenizer,
+                          shard_bytes=shard_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:

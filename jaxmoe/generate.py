@@ -107,6 +107,20 @@ def encode_prompts(tokenizer: Tokenizer, prompts: list[str],
     return tokens_BxP, first_B
 
 
+def past_trained_length(prompt: int, new: int, config: Config) -> str | None:
+    """What goes past the positions the model trained on: rows of `train.seq_len`
+    tokens, whose last position predicts the one after (None: nothing does)."""
+    trained = config.train.seq_len
+    if prompt + new <= trained + 1:
+        return None
+    where = (f"the prompt ({prompt} tokens with its start) and {new} new tokens go past the "
+             f"{trained} positions the model trained on (train.seq_len): what it writes "
+             "there is untrained")
+    if prompt > trained:
+        return f"{where}; shorten the prompt to {trained} tokens at most"
+    return f"{where}; ask for at most {trained + 1 - prompt} new tokens"
+
+
 def _length(new_N: np.ndarray, eos: int) -> int:
     """New tokens up to and including the first EOS."""
     ends = np.flatnonzero(new_N == eos)
@@ -122,12 +136,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="text to continue; repeat for a batch of prompts")
     parser.add_argument("--tokenizer", default=None,
                         help="override the run's saved tokenizer (a tokenizer.json or 'bytes')")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="default: as many as the positions the model trained on "
+                             "(train.seq_len) leave after the longest prompt")
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0: off")
     parser.add_argument("--top-p", type=float, default=0.95,
                         help="keep the smallest set of tokens holding this probability mass")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--within-trained-length", action="store_true",
+                        help="refuse prompts and generation past the row length the model "
+                             "trained on (train.seq_len), instead of warning")
     args = parser.parse_args(argv)
     absl_logging.set_verbosity(absl_logging.ERROR)
     try:
@@ -140,6 +159,13 @@ def main(argv: list[str] | None = None) -> int:
             raise TokenizerError(f"the tokenizer has {tokenizer.vocab_size} ids, the model "
                                  f"{config.model.vocab_size}: not the tokenizer it trained with")
         prompt_BxP, first_B = encode_prompts(tokenizer, args.prompt)
+        if args.max_new_tokens is None:
+            args.max_new_tokens = max(config.train.seq_len + 1 - prompt_BxP.shape[1], 1)
+        past = past_trained_length(prompt_BxP.shape[1], args.max_new_tokens, config)
+        if past and args.within_trained_length:
+            raise ValueError(f"{past} (--within-trained-length)")
+        if past:
+            print(f"warning: {past}", file=sys.stderr)
         start = time.perf_counter()
         tokens_BxN = generate(params, prompt_BxP, config, key=jax.random.key(args.seed),
                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -3,13 +3,23 @@
 A run resumes by itself from the latest complete checkpoint in its run
 directory; `--resume` insists that there is one. The same command runs as one of
 several processes (see `jaxmoe.distributed`); process 0 writes the logs.
+
+Before anything compiles, process 0 checks that it can write the run directory,
+with room for a checkpoint, and takes its lock (`jaxmoe.run_lock`): one training
+per run directory. A checkpoint is never saved from inside a streak of skipped
+non-finite steps, and one whose weights started a streak that stops the run is
+set aside as diverged.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import shutil
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -30,6 +40,7 @@ from jaxmoe.observe.monitor import Monitor, to_python
 from jaxmoe.observe.perf import Peak, ProfileWindow, StepClock, memory, throughput
 from jaxmoe.optim import describe, learning_rate_schedule
 from jaxmoe.overflow import Overflow, OverflowSteps
+from jaxmoe.run_lock import RunDirectoryInUse, RunLock
 from jaxmoe.sharding import make_mesh, process_rows
 from jaxmoe.step import abstract_model, build_steps, with_weights
 
@@ -108,6 +119,86 @@ class StopSignals:
             signal.signal(s, handler)
 
 
+def checkpoint_bytes(steps) -> int:
+    """Bytes of one checkpoint of this run: the whole train state, as orbax writes it."""
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(checkpoint.abstract_target(steps)))
+
+
+def check_writable(run_dir: Path, need: int) -> None:
+    """Before anything compiles: the run directory and its checkpoints/ can be written,
+    with room for one checkpoint of `need` bytes; else one line (CheckpointError)."""
+    where = [run_dir, checkpoint.checkpoint_dir(run_dir)]
+    for directory in where:
+        if not directory.exists():
+            continue
+        probe = directory / f".write-test-{os.getpid()}"
+        times = directory.stat()
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+            # a resume refused later leaves the directory as it found it
+            os.utime(directory, ns=(times.st_atime_ns, times.st_mtime_ns))
+        except OSError as e:
+            raise CheckpointError(f"train.run_dir: {directory} cannot be written "
+                                  f"({e.strerror or e})") from None
+    free = shutil.disk_usage(next(d for d in reversed(where) if d.exists())).free
+    if free < need:
+        raise CheckpointError(f"train.run_dir: {run_dir} has {free / 1e9:.2f} GB free; a "
+                              f"checkpoint of this run takes {need / 1e9:.2f} GB")
+
+
+def take_run_dir(steps) -> RunLock | None:
+    """One training per run directory: process 0 takes its lock (`jaxmoe.run_lock`)
+    before anything is written, after checking it can write there; every process
+    stops if it cannot. Returns the lock to release (None on other processes)."""
+    run_dir = Path(steps.cfg.train.run_dir).absolute()
+    lock, refused = None, None
+    if distributed.is_main():
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            check_writable(run_dir, checkpoint_bytes(steps))
+            lock = RunLock(run_dir)
+            lock.acquire()
+            distributed.on_stop(lock.release)  # a lost peer ends this process past `finally`
+        except OSError as e:
+            refused = CheckpointError(f"train.run_dir: {run_dir} cannot be written "
+                                      f"({e.strerror or e})")
+        except (CheckpointError, RunDirectoryInUse) as e:
+            refused = e
+    if distributed.any_process(refused is not None):
+        raise refused or RunDirectoryInUse(f"run directory {run_dir}: process 0 could not "
+                                           "take it (its error says why)")
+    return lock
+
+
+def diverged(directory: Path, step: int, streak: int, max_bad_steps: int) -> str:
+    """The stop message of a run whose last `streak` steps up to `step` were all
+    non-finite: the weights of step `step - streak` gave every one of them, so any
+    checkpoint from that step on holds them; those are set aside (`STEP.diverged`,
+    kept, never resumed from) and the message names the newest good one."""
+    bad = [s for s in checkpoint.complete_steps(directory) if s >= step - streak]
+    if distributed.is_main():
+        for s in bad:
+            checkpoint.set_aside(directory, s, "diverged")
+    kept = [s for s in checkpoint.complete_steps(directory) if s < step - streak]
+    line = (f"{streak} consecutive steps up to {step} had a non-finite loss or gradient "
+            f"(train.max_bad_steps={max_bad_steps}), from the weights of step {step - streak}; "
+            "stopped")
+    if bad:
+        line += (f"; checkpoint{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} "
+                 f"set aside as diverged ({directory}/STEP.diverged)")
+    return line + (f"; the newest good checkpoint, step {kept[-1]}, is kept in {directory}"
+                   if kept else "; no good checkpoint: a rerun starts from step 0")
+
+
+def set_aside_note(directory: Path, step: int) -> str:
+    """The checkpoints newer than `step` set aside as diverged, for the resume line."""
+    newer = sorted(int(m.group(1)) for p in directory.glob("*.diverged*")
+                   if (m := re.match(r"(\d+)\.diverged", p.name)) and int(m.group(1)) > step)
+    return (f" (newer checkpoint{'s' if len(newer) > 1 else ''} "
+            f"{', '.join(map(str, newer))} set aside as diverged)") if newer else ""
+
+
 def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
           init_weights: dict | None = None, accept_new_data: bool = False) -> dict:
     """Runs (or resumes) the configured job; returns the final summary (also printed).
@@ -125,6 +216,18 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     corpus.check_tokenizer(tokenizer.describe())
     BatchIterator(corpus.train, t.batch_size, t.seq_len, seed=t.seed)  # data errors before compiling
     steps = build_steps(cfg, make_mesh(cfg.mesh))
+    lock = take_run_dir(steps)
+    try:
+        return _train(cfg, corpus, steps, tokenizer, stop_after, init_weights, accept_new_data)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: Config, corpus: Corpus, steps, tokenizer, stop_after: int | None,
+           init_weights: dict | None, accept_new_data: bool) -> dict:
+    """`train` once the run directory is this process's."""
+    t = cfg.train
     downstream = None
     if t.evals.tasks:  # lm-eval is an extra: imported only when tasks are asked for
         from jaxmoe.eval.downstream import Downstream
@@ -174,6 +277,8 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
     if too_short:
         monitor.write(f"no held-out loss of {', '.join(too_short)}: no held-out shard of "
                       f"seq_len + 1 = {t.seq_len + 1} tokens")
+    for note in downstream.notes if downstream else []:
+        monitor.write(note)
 
     def evaluations(state, losses: bool, tasks: bool) -> dict:
         record = heldout.evaluate(steps, state, eval_sets) if losses else {}
@@ -181,7 +286,7 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
 
     summary = {"run_dir": str(run_dir.absolute())}
     if start:
-        monitor.write(f"resumed from step {start} in {ckpt_dir}")
+        monitor.write(f"resumed from step {start} in {ckpt_dir}{set_aside_note(ckpt_dir, start)}")
     else:
         first = evaluations(state, True, True)
         summary["heldout_loss_initial"] = first["eval_ce"]
@@ -197,6 +302,7 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                       "the window; no trace")
     train_step = OverflowSteps(steps)  # moe.on_overflow
     clock, last_step, record, stop = StepClock(), start, {}, None
+    save_due = False  # a checkpoint waits out a streak of non-finite steps
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     if cfg.data.prefetch:  # started last: nothing that could fail comes between it and its end
         batches = Prefetcher(batches, cfg.data.prefetch)
@@ -234,23 +340,27 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
                 if record["bad_steps"] >= t.max_bad_steps:
                     monitor.close()
                     saver.finish()
-                    raise TooManyBadSteps(
-                        f"{int(record['bad_steps'])} consecutive steps up to {step} had a "
-                        f"non-finite loss or gradient (train.max_bad_steps={t.max_bad_steps}); "
-                        f"stopped, last good checkpoint kept in {ckpt_dir}")
+                    raise TooManyBadSteps(diverged(ckpt_dir, step, int(record["bad_steps"]),
+                                                   t.max_bad_steps))
             with clock.timed("host"):
                 losses = bool(t.eval_every) and step % t.eval_every == 0 and step != t.steps
                 tasks = downstream is not None and downstream.due(step) and step != t.steps
                 if losses or tasks:
                     monitor.log({"step": step, **evaluations(state, losses, tasks)})
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != end:
-                    saver.save(state, data_of(batches, corpus), steps)
+                save_due |= bool(cfg.checkpoint.every) and step % cfg.checkpoint.every == 0
+                if save_due and step != end:
+                    save_due = not saver.save_good(state, data_of(batches, corpus), steps)
             check = jax.process_count() == 1 or step % cfg.logging.log_every == 0
             if check and distributed.any_process(signals.received is not None):
                 stop = signals.received or "a signal to another process"
                 break
-    if int(state.step) not in saver.all_steps():
-        saver.save(state, data_of(batches, corpus), steps)
+    if int(state.step) not in saver.all_steps() and not saver.save_good(
+            state, data_of(batches, corpus), steps) and main:
+        kept = checkpoint.complete_steps(ckpt_dir)
+        print(f"no checkpoint of step {int(state.step)}: its weights gave the last "
+              f"{int(state.bad_steps)} steps a non-finite loss; "
+              + (f"the newest checkpoint is step {kept[-1]}" if kept else "no checkpoint kept"),
+              file=sys.stderr)
     saver.finish()
     saver.close()
     summary |= {"step": int(state.step), "tokens_per_s": record.get("tokens_per_s")}
@@ -259,7 +369,9 @@ def train(cfg: Config, corpus: Corpus, stop_after: int | None = None,
         why = f"on {stop}" if stop else f"after {stop_after} steps (--stop-after)"
         summary["stopped_by"] = signals.received or ("SIGTERM" if stop else None)
         if main:
-            print(f"stopped {why} at step {int(state.step)}; checkpoint in {ckpt_dir}")
+            kept = checkpoint.complete_steps(ckpt_dir)
+            print(f"stopped {why} at step {int(state.step)}; "
+                  + (f"checkpoint {kept[-1]} in {ckpt_dir}" if kept else "no checkpoint"))
         return summary
     final = evaluations(state, True, True)
     monitor.log({"step": t.steps, **final})
@@ -327,9 +439,14 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(cfg, corpus, stop_after=args.stop_after, init_weights=weights,
                         accept_new_data=args.accept_new_data)
     except (DistributedError, ConfigError, DataError, TokenizerError, CheckpointError,
-            TooManyBadSteps, Overflow, hf.HFError) as e:
+            TooManyBadSteps, Overflow, hf.HFError, RunDirectoryInUse) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception:
+        distributed.failed()  # a collective broken by a lost peer: its one line, not this
+        raise
+    finally:
+        distributed.finished()
     # stopped by a signal (here or on another process): 128 + its number, as a shell
     # reports a process the signal killed, so that `train && export` stops there
     if summary.get("stopped_by") is not None:
@@ -337,5 +454,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def leave(code: int) -> None:
+    """Exits with `code`. After a failure, past any thread still waiting that is not a
+    daemon: a failed save leaves orbax's writer threads blocked, and interpreter
+    shutdown would join them forever (the process printed its error and never exited)."""
+    stuck = [t for t in threading.enumerate()
+             if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if code and stuck:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -247,17 +247,49 @@ def test_nan_steps_are_skipped_then_stop(tmp_path, monkeypatch):
     np.testing.assert_allclose([by_step[s]["lr"] for s in range(1, 9)], applied, rtol=1e-6)
     assert float(lr_at(3)) != float(lr_at(4))  # a rate by the step counter would differ
 
+    # the one skipped step put its checkpoint off to the next good step
+    assert checkpoint.complete_steps(checkpoint.checkpoint_dir(tmp_path / "a")) == [5, 6, 8]
+
     bad.update(range(3, 100))  # from state.step 3 on, every step is bad
     cfg = config_from_dict({**SMALL, "train": {**SMALL["train"], "run_dir": str(tmp_path / "b"),
                                                 "max_bad_steps": 3}})
-    with pytest.raises(TooManyBadSteps, match="3 consecutive steps up to 6"):
+    with pytest.raises(TooManyBadSteps, match="3 consecutive steps up to 6 .* from the weights of "
+                       "step 3; stopped; the newest good checkpoint, step 2, is kept"):
         train(cfg, corpus)
-    ckpts = checkpoint.checkpoint_dir(tmp_path / "b")
-    assert checkpoint.complete_steps(ckpts) == [2, 4]  # nothing saved once the run failed
-    steps = build_steps(cfg, make_mesh(cfg.mesh))
-    at2, at4 = (checkpoint.restore(ckpts, steps, s)[0] for s in (2, 4))
-    assert int(at4.bad_steps) == 1  # step 4 was skipped: its parameters are step 3's
-    assert not np.array_equal(at2.params["embed"][...], at4.params["embed"][...])
+    # no checkpoint from inside the streak (step 4's save waited for a good step)
+    assert checkpoint.complete_steps(checkpoint.checkpoint_dir(tmp_path / "b")) == [2]
+
+
+def test_a_diverged_checkpoint_is_set_aside_and_the_resume_takes_the_one_before(
+        tmp_path, monkeypatch, capsys):
+    """Checkpoints every step; from step 3 on every step is non-finite: the weights of
+    step 2 (saved: its own step was finite) are the diverged ones. The stop sets
+    checkpoint 2 aside (kept, renamed), saves nothing from the streak, names the step it
+    kept; a resume on healthy data starts from step 1, says so, and runs to the end.
+    Companion: saving on schedule inside the streak (as before) would have kept
+    checkpoints 3 and 4 of the stuck weights, the newest resumed from."""
+    corpus = load_corpus("stdlib", None, 256, 32)
+    run = tmp_path / "run"
+    cfg = config_from_dict({**SMALL, "train": {**SMALL["train"], "run_dir": str(run),
+                                                "max_bad_steps": 3},
+                            "checkpoint": {"every": 1, "keep": 10}})
+    ckpts = checkpoint.checkpoint_dir(run)
+    poison_steps(monkeypatch, set(range(2, 100)))  # state.step 2 on: steps 3, 4, 5
+    with pytest.raises(TooManyBadSteps) as stopped:
+        train(cfg, corpus)
+    assert str(stopped.value) == (
+        f"3 consecutive steps up to 5 had a non-finite loss or gradient (train.max_bad_steps=3), "
+        f"from the weights of step 2; stopped; checkpoint 2 set aside as diverged "
+        f"({ckpts}/STEP.diverged); the newest good checkpoint, step 1, is kept in {ckpts}")
+    assert checkpoint.complete_steps(ckpts) == [1]
+    assert (ckpts / "2.diverged" / "state").is_dir()  # kept whole, not a step any more
+    monkeypatch.undo()  # healthy data
+    capsys.readouterr()
+    summary = train(cfg, corpus)
+    out = capsys.readouterr().out
+    assert f"resumed from step 1 in {ckpts} (newer checkpoint 2 set aside as diverged)" in out
+    assert summary["step"] == cfg.train.steps
+    assert checkpoint.complete_steps(ckpts)[-1] == cfg.train.steps
 
 
 def test_a_format_1_checkpoint_loads_its_weights_but_does_not_resume(tmp_path, monkeypatch):

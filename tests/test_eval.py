@@ -340,3 +340,28 @@ def test_in_loop_few_shot_examples_stay_the_same(tasks):
         prompts.append([i.args[0] for i in task.instances])
     assert prompts[0] == prompts[1] and results[0] == results[1]
     assert all(p.count("\n") >= 2 for p in prompts[0])  # two examples before each question
+
+
+def test_choices_uneven_in_tokens_are_noted(tmp_path):
+    """stdlib_word_order's choices are reorderings of one line's words: equal in bytes,
+    so byte tokens make them equal in length, and a BPE tokenizer does not (a real
+    line's common pairs merge into fewer tokens), where `acc` favours the shorter:
+    the run's log says so and points at acc_norm. Companion: bytes give no note."""
+    from jaxmoe.data.tokenizer import BYTE_TOKENIZER, load_tokenizer
+    from jaxmoe.eval.downstream import Downstream
+    from jaxmoe.sharding import make_mesh
+    from jaxmoe.step import build_steps
+
+    from tiny_tokenizer import make_tokenizer
+
+    cfg = config_from_dict({**RUN, "model": {**RUN["model"], "vocab_size": 320},
+                            "train": {**RUN["train"], "evals": {"tasks": ["stdlib_word_order"],
+                                                                "limit": LIMIT}}})
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    bpe = load_tokenizer(str(make_tokenizer(tmp_path)))
+    (note,) = Downstream(cfg, steps, bpe).notes
+    assert note.startswith("note: train.evals.tasks: stdlib_word_order's choices differ in "
+                           "token length under this tokenizer in ")
+    assert note.endswith("read downstream/stdlib_word_order/acc_norm")
+    assert Downstream(cfg, steps, BYTE_TOKENIZER).notes == []
+    jax.clear_caches()

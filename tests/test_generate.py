@@ -145,3 +145,23 @@ def test_cli(tiny_run, tmp_path, capsys):
     assert "no complete checkpoint" in capsys.readouterr().err
     assert main(["--checkpoint", str(tiny_run), "--prompt", ""]) == 2
     assert "--prompt: empty" in capsys.readouterr().err
+
+
+def test_generation_past_the_trained_length_warns_or_is_refused(tiny_run, capsys):
+    """tiny_run trained rows of 32 positions: a prompt of 8 (with its start token) and
+    25 new tokens stay inside them, 26 go past, which warns, or with
+    --within-trained-length is refused in one line; a prompt past them says to shorten
+    it."""
+    base = ["--checkpoint", str(tiny_run), "--prompt", "import ", "--seed", "1"]
+    assert main(base + ["--max-new-tokens", "25"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(base + ["--max-new-tokens", "26"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: the prompt (8 tokens with its start) and 26 new tokens go "
+                          "past the 32 positions the model trained on (train.seq_len)"), err
+    assert "ask for at most 25 new tokens" in err
+    assert main(base + ["--max-new-tokens", "26", "--within-trained-length"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the prompt") and err.strip().endswith("(--within-trained-length)")
+    assert main(base[:3] + ["x" * 40, "--max-new-tokens", "1"]) == 0
+    assert "shorten the prompt to 32 tokens at most" in capsys.readouterr().err

@@ -377,3 +377,66 @@ def test_a_prepared_corpus_trains_and_generates_words(tmp_path, tok_dir, capsys)
         assert tok.decode(tok.encode(text)) == text and len(text.split()) >= 3
     with pytest.raises(DataError, match="was made with the tokenizer .* but data.tokenizer is 'bytes'"):
         corpus.check_tokenizer(load_tokenizer("bytes").describe())
+
+
+_PARENT = """
+import multiprocessing, os, sys, time
+from jaxmoe.data import prepare
+
+
+def work(watch):
+    if watch:
+        prepare._end_with_parent(os.getppid())
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=work, args=(sys.argv[1] == "1",))
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].startswith("Z")  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_workers_end_with_a_killed_parent(tmp_path, monkeypatch, watch):
+    """SIGKILL gives prepare no time to stop its worker processes, which would write their
+    units on; each worker watches its parent (`_end_with_parent`, installed by the pool's
+    initializer) and exits within a second of its death. Companion: a spawned worker
+    without the watch outlives its killed parent."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script), "1" if watch else "0"],
+                              stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    child = int(parent.stdout.readline())
+    time.sleep(1.0)  # the child is running (its watch started)
+    assert not _gone(child)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 3.0
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ended = _gone(child)
+    if not ended:
+        os.kill(child, signal.SIGKILL)
+    assert ended == watch
+    # the pool's initializer is what installs it
+    watched = []
+    monkeypatch.setattr(prep, "_end_with_parent", watched.append)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    prep._init_worker("bytes")
+    assert watched == [os.getppid()]

@@ -38,6 +38,8 @@ import multiprocessing
 import os
 import re
 import sys
+import threading
+import time
 import zlib
 from collections import Counter
 from dataclasses import dataclass
@@ -326,7 +328,20 @@ def _init_worker(tokenizer_spec: str, in_a_pool: bool = True) -> None:
     global _worker_tokenizer
     if in_a_pool:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+        _end_with_parent(os.getppid())
     _worker_tokenizer = load_tokenizer(tokenizer_spec)
+
+
+def _end_with_parent(parent: int, every_s: float = 0.5) -> None:
+    """A pool worker exits within `every_s` of its parent's death (SIGKILL leaves it no
+    time to stop its workers, which would write their units on for minutes): a daemon
+    thread watches for the worker being handed to another parent."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _write(path: Path, tokens: np.ndarray) -> None:

@@ -52,6 +52,7 @@ class Downstream:
         self.limit = evals.limit or None
         self.tokenizer = tokenizer
         self.prefix_id = tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id
+        self.notes: list[str] = []  # what the run's log should say of the tasks
         # one compiled shape for every task: the shortest row length that holds their
         # longest request, as many rows as keep the dropless buffers a training step's size
         longest, requests = self._rows(cfg.train.seq_len)
@@ -75,6 +76,7 @@ class Downstream:
             pairs = [encode_request(self.tokenizer, self.prefix_id, *i.args)
                      for i in task.instances if i.request_type == "loglikelihood"]
             lengths = [len(cont) for _, cont in pairs]
+            self._note_uneven_choices(name, task, pairs)
             if lengths and not 1 <= min(lengths) <= max(lengths) <= seq_len:
                 raise ConfigError(f"train.evals.tasks: {name} asks for continuations of "
                                   f"{min(lengths)} to {max(lengths)} tokens; a row of "
@@ -83,6 +85,26 @@ class Downstream:
             longest = max([longest] + [len(request_row(ctx or [self.prefix_id], cont,
                                                        seq_len)[0]) - 1 for ctx, cont in pairs])
         return longest, count
+
+    def _note_uneven_choices(self, name: str, task, pairs) -> None:
+        """A multiple-choice task whose choices differ in length under this tokenizer:
+        `acc` compares sums of the choices' token log-likelihoods, and a choice of fewer
+        tokens sums fewer terms, so `acc` favours it whatever the model knows (a task
+        made of choices equal in bytes, as stdlib_word_order's reorderings are, is
+        uneven under a BPE tokenizer). `acc_norm` divides by bytes: it is the one to read."""
+        if task.get_config("output_type") != "multiple_choice":
+            return
+        per_doc: dict[int, set[int]] = {}
+        for instance, (_, cont) in zip((i for i in task.instances
+                                        if i.request_type == "loglikelihood"), pairs):
+            per_doc.setdefault(instance.doc_id, set()).add(len(cont))
+        uneven = sum(len(lengths) > 1 for lengths in per_doc.values())
+        if uneven:
+            self.notes.append(
+                f"note: train.evals.tasks: {name}'s choices differ in token length under this "
+                f"tokenizer in {uneven} of {len(per_doc)} examples; acc favours the choice of "
+                f"fewer tokens, acc_norm (per byte) does not: read "
+                f"{PREFIX}/{name}/acc_norm")
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
