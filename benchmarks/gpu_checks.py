@@ -544,10 +544,10 @@ def target_names(kind: str) -> list[str]:
 
 
 def check_roofline(toy: bool) -> Result:
-    """The roofline's predicted step (`jaxmoe.plan.roofline`, from the program compiled here)
-    beside the measured one, for the train check's model on this machine's GPUs:
-    figure measured / predicted, reported (the roofline assumes every kernel at its
-    peak, so a real step is slower by the kernels' efficiency). Judged: the lowering
+    """The expected step (`jaxmoe.plan.roofline` at `jaxmoe.plan.rates`, from the program
+    compiled here) and the bound (datasheet peaks) beside the measured one, for the
+    train check's model on this machine's GPUs: figure measured / expected, reported
+    (the rates' table is refitted from such ratios: `jaxmoe.plan.rates`). Judged: the lowering
     the roofline relies on: with several GPUs every exchange of token rows is
     asynchronous; the same model with MXFP8 experts quantises each expert weight
     once per step (its working copy's quantisations run once, outside every loop)."""
@@ -581,8 +581,9 @@ def check_roofline(toy: bool) -> Result:
     measured = (time.perf_counter() - start) / timed
     n, link = jax.device_count(), Link.of(TARGETS[names[0]])
     tokens = cfg.train.batch_size * cfg.train.seq_len
-    predicted = summary(roofline(program, link), flops_per_token(cfg) * tokens / n, tokens / n,
-                        link)
+    bound = roofline(program, link).step_s
+    predicted = summary(roofline(program, Link.of(TARGETS[names[0]], expected=True)),
+                        flops_per_token(cfg) * tokens / n, tokens / n, link)
     problems = [f"synchronous exchange {name}" for name, asynchronous, _ in
                 row_exchanges(program, roofline(program, link)) if not asynchronous]
     mx = override_config(cfg, ["moe.expert_precision=mxfp8"])
@@ -595,9 +596,10 @@ def check_roofline(toy: bool) -> Result:
     ratio, tflops = measured / predicted["step_s"], predicted["model_tflops_per_device"]
     return Result("roofline", "FAIL" if problems else "PASS", f"{ratio:.2f}",
                   "reported; lowering judged",
-                  f"step measured {measured * 1e3:.1f} ms, predicted "
-                  f"{predicted['step_s'] * 1e3:.1f} ms on {names[0]} figures "
-                  f"({tflops:.0f} model TFLOP/s per GPU predicted, {tflops / ratio:.0f} "
+                  f"step measured {measured * 1e3:.1f} ms, expected "
+                  f"{predicted['step_s'] * 1e3:.1f} ms at {names[0]}'s measured rates, bound "
+                  f"{bound * 1e3:.1f} ms at its datasheet's "
+                  f"({tflops:.0f} model TFLOP/s per GPU expected, {tflops / ratio:.0f} "
                   f"measured; {n} GPU(s))" + (": " + "; ".join(problems) if problems else ""))
 
 

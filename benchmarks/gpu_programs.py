@@ -5,7 +5,9 @@
 Compiles each train step for its target with XLA:GPU's deviceless compiler
 (`jaxmoe.plan`) and prints, per program: the JAX and tokamax it was built with, the
 peak memory, the roofline's predicted step, the memory-bound kernels' bytes, the
-exposed collectives and the expert GEMMs' FLOPs over the routed rows'. Run it under
+exposed collectives and the expert GEMMs' FLOPs over the routed rows'; then the
+expected step (the same walk at the rates GPUs measurably reach, `jaxmoe.plan.rates`)
+beside the bound, in each anchor's FLOP count, with its three largest parts. Run it under
 two JAX releases (or before and after a change) to set their programs side by side;
 it reads nothing but `jaxmoe.plan.planner.plan`'s figures, so it also runs against an
 older checkout, whose configs it then compiles (`PYTHONPATH=OLD_CHECKOUT python
@@ -38,6 +40,10 @@ PROGRAMS = {
     "47b_h100": ("configs/olmoe_8layer_e128.yaml", "h100", ["mesh.data=1", "mesh.expert=8"]),
     "1200b_b300": ("configs/moe_1200b_512gpu.yaml", "b300", []),
     "671b_b300": ("configs/deepseek_v3_671b.yaml", "b300", []),
+    # MaxText + TE's row: 128 GB300s, two NVL72 racks; the exchange within a rack
+    "671b_gb300": ("configs/deepseek_v3_671b.yaml", "gb300",
+                   ["mesh.data=2", "mesh.stage=1", "mesh.expert=64",
+                    "pipeline.virtual_stages=1", "pipeline.stage_microbatches=1"]),
     "small_h100": ("configs/gpu1_small.yaml", "h100", []),
 }
 
@@ -59,7 +65,10 @@ def figures(name: str) -> dict:
     config, target, overrides = PROGRAMS[name]
     start = time.perf_counter()
     p = plan(str(ROOT / config), overrides, target, target, 0.4)
-    roof = p["roofline"]
+    roof, expected = p["roofline"], p.get("expected") or {}
+    parts = {"matrix products": expected.get("gemm_s", 0.0),
+             "memory-bound kernels": expected.get("memory_bound_s", 0.0),
+             "exposed collectives": expected.get("exposed_collective_s", 0.0)}
     return {"program": name, "jax": _version("jax"), "tokamax": _version("tokamax"),
             "peak_gb": p["bytes_per_device"]["peak"] / 1e9,
             "step_s": roof["step_s"],
@@ -75,6 +84,12 @@ def figures(name: str) -> dict:
             "exposed_by_scope": {k: v for k, v in roof["exposed_by_scope"].items()
                                  if v["exposed_s"] > 1e-3},
             "memory_bound_by_scope": dict(list(roof["memory_bound_by_scope"].items())[:8]),
+            "expected_step_s": expected.get("step_s"),
+            "expected_tokens_per_s_per_device": expected.get("tokens_per_s_per_device"),
+            "expected_tflops_by_count": expected.get("model_tflops_by_count", {}),
+            "bound_tflops_by_count": roof.get("model_tflops_by_count", {}),
+            "expected_parts_s": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
+            "kernel_runs": expected.get("kernel_runs"),
             "compile_s": time.perf_counter() - start}
 
 
@@ -87,6 +102,18 @@ def row(f: dict) -> str:
             f"| {'-' if ratio is None else f'{ratio:.2f}x'} ({f['expert_gemm']}) |")
 
 
+def expected_row(f: dict) -> str:
+    e, b = f["expected_tflops_by_count"], f["bound_tflops_by_count"]
+    if not e:
+        return f"| {f['program']} | (figures without rates: an older checkout) |"
+    parts = ", ".join(f"{k} {v:.3f} s" for k, v in f["expected_parts_s"].items())
+    return (f"| {f['program']} | {f['expected_step_s']:.3f} s ({f['step_s']:.3f} s) "
+            f"| {f['expected_tokens_per_s_per_device']:,.0f} "
+            f"({f['tokens_per_s_per_device']:,.0f}) "
+            + " ".join(f"| {e[k]:,.0f} ({b[k]:,.0f})" for k in ("palm", "megatron", "maxtext"))
+            + f" | {parts} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", default=DEFAULT, metavar="NAME",
@@ -97,10 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.names if n not in PROGRAMS]
     if unknown:
         parser.error(f"unknown program(s) {unknown}; choose from {list(PROGRAMS)}")
-    rows = []
+    rows, expected = [], []
     for name in args.names:
         f = figures(name)
         rows.append(row(f))
+        expected.append(expected_row(f))
         print(rows[-1], flush=True)
         if args.json:
             with open(args.json, "a") as out:
@@ -109,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
           "| exposed collectives | expert GEMMs / routed |")
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    print()
+    print("| program | expected step (bound) | tokens/s per GPU | model TFLOP/s per GPU, "
+          "PaLM's count | Megatron's | MaxText's | expected step's parts |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(expected))
     return 0
 
 

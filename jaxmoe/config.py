@@ -782,17 +782,37 @@ def param_counts(c: Config) -> ParamCounts:
                        norm=(m.num_layers + m.mtp_layers) * layer_norms + d + 3 * d * m.mtp_layers)
 
 
-def flops_per_token(c: Config) -> float:
-    """Training FLOPs per token: 6 x active matmul params + attention scores.
+FLOP_COUNTS = ("palm", "megatron", "maxtext")
 
-    PaLM convention: attention adds 12 * layers * heads * head_dim * seq_len
-    (forward QK^T and AV, times three for training), counted without causal savings.
-    Multi-token prediction modules count as layers, each also running the LM head.
+
+def flops_per_token(c: Config, count: str = "palm") -> float:
+    """Training FLOPs per token: 6 x active matmul params + attention scores, counted
+    one of three ways (the anchors' figures are each in their own):
+
+    palm      PaLM's: attention adds 6 x layers x heads x (qk + v head dims) x seq_len
+              (forward QK^T and AV, times three), without causal savings. Multi-token
+              prediction modules count as layers, each also running the LM head.
+    megatron  Megatron-LM's and Megatron-Bridge's (`num_floating_point_operations`):
+              causal attention, half PaLM's; MTP modules as in palm; the router not
+              counted.
+    maxtext   MaxText's (`calculate_tflops_training_per_device`): causal attention; the
+              router counted; no MTP module (its DeepSeek-V3 config runs none).
     """
+    if count not in FLOP_COUNTS:
+        raise ValueError(f"count: {count!r} is not one of {FLOP_COUNTS}")
     m = c.model
+    if count == "maxtext" and m.mtp_layers:
+        c = dataclasses.replace(c, model=dataclasses.replace(m, mtp_layers=0))
+        m = c.model
     counts = param_counts(c)
     matmul_params = counts.active - counts.embedding - counts.norm
     matmul_params += m.mtp_layers * m.d_model * m.vocab_size  # the shared head, again
+    if count == "megatron":  # no router; MLA's latent norms and MTP's three norms are in
+        matmul_params -= (c.num_moe_layers + m.mtp_layers) * m.d_model * c.moe.num_experts \
+            if c.num_moe_layers else 0
+        if m.attention == "mla":
+            matmul_params += (m.num_layers + m.mtp_layers) * (m.q_lora_rank + m.kv_lora_rank)
+        matmul_params += m.mtp_layers * 3 * m.d_model
     layers = m.num_layers + m.mtp_layers
     attention = 6 * layers * m.num_heads * (m.head_size + m.value_size) * c.train.seq_len
-    return 6.0 * matmul_params + attention
+    return 6.0 * matmul_params + (attention if count == "palm" else attention / 2)

@@ -1,11 +1,15 @@
 """Config loading: errors name the key; derived counts match the real model."""
 
+from pathlib import Path
+
 import jax
 import pytest
 from flax import nnx
 
 from jaxmoe.config import Config, ConfigError, config_from_dict, load_config, param_counts
 from jaxmoe.model.transformer import Transformer
+
+ROOT = Path(__file__).parent.parent
 
 
 @pytest.mark.parametrize("raw, key", [
@@ -199,6 +203,39 @@ def test_flops_per_token_moves_with_top_k_seq_len_and_shared_expert(raw):
     # a shared expert of width S: three D x S matrices per MoE layer
     wider = override_config(cfg, [f"moe.shared_expert_hidden={moe.shared_expert_hidden + 8}"])
     assert flops_per_token(wider) - base == 6 * cfg.num_moe_layers * 3 * m.d_model * 8
+
+
+def test_deepseek_v3_counted_as_each_anchor_counts_it():
+    """DeepSeek-V3 at 4,096 tokens, by hand from each framework's own formula.
+    Megatron-LM / Megatron-Bridge (`num_floating_point_operations`): SwiGLU MLPs without
+    the router, MLA projections with their latent norms, causal attention (half),
+    the MTP module as a layer plus its projection, norms and another LM head; NVIDIA's
+    published DeepSeek-V3 rows divide to 260.0 GFLOP per token. MaxText
+    (`calculate_tflops_training_per_device`): the router counted, causal attention,
+    no MTP. PaLM's counts the attention whole. Companion: the three differ."""
+    from jaxmoe.config import flops_per_token, load_config
+    cfg = load_config(ROOT / "configs" / "deepseek_v3_671b.yaml")
+    d, L, Ld, H, V, S = 7168, 61, 3, 128, 129280, 4096
+    n, r, v, ql, kvl = 128, 64, 128, 1536, 512
+    E, K, Fe, Fs, F, M = 256, 8, 2048, 2048, 18432, 1
+    Lm = L - Ld
+    mla = ql * (d + H * (n + r)) + kvl * (d + H * (n + v)) + d * r + H * v * d
+    megatron = (6 * d * (3 * F * Ld + 3 * (K * Fe + Fs) * (Lm + M))
+                + 6 * (L + M) * (mla + ql + kvl)  # + the latents' norms
+                + 3 * (L + M) * S * H * (n + r + v)
+                + 6 * M * (3 * d + 2 * d * d) + 6 * d * V * (M + 1))
+    maxtext = (3 * (6 * d * F * Ld + (2 * d * E + 6 * d * Fe * K + 6 * d * Fs) * Lm
+                    + L * 2 * mla + 2 * d * V)
+               + 3 * L * S * H * (n + r + v))
+    assert flops_per_token(cfg, "megatron") == megatron == 259_992_950_784
+    assert flops_per_token(cfg, "maxtext") == maxtext == 250_449_887_232
+    palm = flops_per_token(cfg)
+    # PaLM's: the attention whole (L + M layers), the router counted
+    assert palm - flops_per_token(cfg, "megatron") == (
+        3 * (L + M) * S * H * (n + r + v) + 6 * d * E * (Lm + M)
+        - 6 * (L + M) * (ql + kvl) - 6 * M * 3 * d)
+    with pytest.raises(ValueError, match="count: 'nvidia'"):
+        flops_per_token(cfg, "nvidia")
 
 
 def test_older_boolean_qk_norm_reads_as_its_name():

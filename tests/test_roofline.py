@@ -132,3 +132,127 @@ def test_an_exposed_gather_and_a_whole_operand_are_seen():
         "dynamic-slice(%n, %s1, %z, %z), dynamic_slice_sizes={1,1024,256}"))
     one = {k.name: k for k in roofline(whole, LINK).kernels}["one"]
     assert one.bytes == 64 * MiB + 4 + MiB
+
+
+# ---------------------------------------------------------------- the expected step
+
+from jaxmoe.plan.rates import BLACKWELL, HOPPER, Rate, Rates, rates_for  # noqa: E402
+
+
+def _rate(v):
+    return Rate(v, "round figure")
+
+
+# round fractions, so that each kernel's expected time is easy to write out
+ROUND = Rates(generation="round", gemm=((1e6, 0.25), (1e9, 0.5)), gemm_source="round",
+              fp8=_rate(0.5), grouped=((128, 0.5), (256, 1.0)), grouped_source="round",
+              block_scaled=_rate(1.5), attention_forward=_rate(0.6),
+              attention_backward=_rate(0.4), hbm=_rate(0.8), scale_up=_rate(0.5),
+              all_to_all=_rate(0.25), scale_out=_rate(0.5), latency_s=_rate(1e-5),
+              launch_s=_rate(1e-6))
+NEUTRAL = Rates(generation="datasheet", gemm=((1.0, 1.0),), gemm_source="", fp8=_rate(1.0),
+                grouped=((1.0, 1.0),), grouped_source="", block_scaled=_rate(2.0),
+                attention_forward=_rate(1.0), attention_backward=_rate(1.0), hbm=_rate(1.0),
+                scale_up=_rate(1.0), all_to_all=_rate(1.0), scale_out=_rate(1.0),
+                latency_s=_rate(LATENCY_S["scale_up"]), launch_s=_rate(0.0))
+
+
+def test_rates_are_looked_up_between_measured_points():
+    import math
+    # linear in log(FLOPs) between points, flat past either end
+    at = 2 * 1024 * 512 * 256
+    assert ROUND.gemm_fraction(at) == pytest.approx(
+        0.25 + 0.25 * (math.log(at) - math.log(1e6)) / (math.log(1e9) - math.log(1e6)))
+    assert ROUND.gemm_fraction(1e3) == 0.25 and ROUND.gemm_fraction(1e12) == 0.5
+    assert ROUND.grouped_factor(181.0) == pytest.approx(
+        0.5 + 0.5 * math.log(181 / 128) / math.log(2))
+    # each generation by its compute capability; every row names a source, and one that
+    # is an assumption says so
+    assert rates_for("9.0") is HOPPER and rates_for("10.3") is BLACKWELL
+    with pytest.raises(ValueError, match="compute capability 8.0"):
+        rates_for("8.0")
+    for rates in (HOPPER, BLACKWELL):
+        for name, value, source, assumed in rates.rows():
+            assert source and value, name
+            assert not assumed or "assumed" in source, name
+        # measured fractions are below the datasheet; the GEMM curve rises with size
+        fractions = [v for _, v in rates.gemm]
+        assert fractions == sorted(fractions) and fractions[-1] < 1
+
+
+def _expected_by_hand() -> dict:
+    link = Link(LINK.bf16_flops, LINK.fp8_flops, LINK.hbm, LINK.scale_up, LINK.scale_out,
+                ROUND)
+    hbm, launch = LINK.hbm * 0.8, 1e-6
+    gemm_flops = 2 * 1024 * 512 * 256
+    gemm_bytes = (1024 * 256 + 256 * 512 + 1024 * 512) * 2
+    gemm = max(gemm_flops / (LINK.bf16_flops * ROUND.gemm_fraction(gemm_flops)),
+               gemm_bytes / hbm) + launch
+    cast = (4 + 2) * 1024 * 256 / hbm + launch
+    slice_ = update = (MiB + 4 + MiB) / hbm + launch
+    gather = 512 * 256 * 2 / (LINK.scale_up * 0.5) + 1e-5
+    exchange = 1024 * 256 * 4 / 2 / (LINK.scale_up * 0.25) + 1e-5  # an all-to-all's rate
+    return {"link": link, "gemm": gemm, "cast": cast, "gather": gather, "exchange": exchange,
+            "step": gemm + 4 * cast + exchange + slice_ + update}
+
+
+def test_the_expected_step_prices_each_class_at_its_rate():
+    """The same walk as the bound, each kernel at its measured fraction plus a launch,
+    each collective at its link's fraction plus the measured latency. Companion: with
+    every fraction 1 and no launch cost, the expected step is the bound."""
+    hand = _expected_by_hand()
+    r = roofline(Program(HLO), hand["link"])
+    kernels = {k.name: k for k in r.kernels}
+    assert kernels["mm"].seconds == pytest.approx(hand["gemm"], rel=1e-9)
+    assert kernels["cast.1"].seconds == pytest.approx(hand["cast"], rel=1e-9)
+    assert r.exposed == pytest.approx({"a2a": hand["exchange"]}, rel=1e-9)
+    assert r.step_s == pytest.approx(hand["step"], rel=1e-9)
+    assert r.step_s > roofline(Program(HLO), LINK).step_s * 1.5
+    neutral = Link(LINK.bf16_flops, LINK.fp8_flops, LINK.hbm, LINK.scale_up, LINK.scale_out,
+                   NEUTRAL)
+    assert roofline(Program(HLO), neutral).step_s == pytest.approx(
+        roofline(Program(HLO), LINK).step_s, rel=1e-12)
+
+
+GROUPED = r"""HloModule jit_experts, num_partitions=1
+
+ENTRY %main (x: bf16[4096,256], w: bf16[8,256,512], g: s32[8], qx: f8e4m3fn[8,512,256], qw: f8e4m3fn[8,1024,256], sx: f8e8m0fnu[8,512,8], sw: f8e8m0fnu[8,1024,8]) -> (bf16[4096,512], bf16[8,512,1024]) {
+  %x = bf16[4096,256]{1,0} parameter(0)
+  %w = bf16[8,256,512]{2,1,0} parameter(1)
+  %g = s32[8]{0} parameter(2)
+  %qx = f8e4m3fn[8,512,256]{2,1,0} parameter(3)
+  %qw = f8e4m3fn[8,1024,256]{2,1,0} parameter(4)
+  %sx = f8e8m0fnu[8,512,8]{2,1,0} parameter(5)
+  %sw = f8e8m0fnu[8,1024,8]{2,1,0} parameter(6)
+  %rd = bf16[4096,512]{1,0} custom-call(%x, %w, %g), custom_call_target="mosaic_gpu", metadata={op_name="jit(experts)/expert_gemms/tokamax:{\"op\":{\"__type\":\"tokamax.RaggedDot\"},\"block_m\":64}"}
+  %bs = bf16[8,512,1024]{2,1,0} custom-call(%qx, %qw, %sx, %sw), custom_call_target="__cudnn$blockScaledDot", metadata={op_name="jit(experts)/expert_gemms/dot"}
+  ROOT %t = (bf16[4096,512]{1,0}, bf16[8,512,1024]{2,1,0}) tuple(%rd, %bs)
+}
+"""
+
+
+@pytest.mark.parametrize("share, per_group", [(0.5, 256), (0.25, 128)])
+def test_a_grouped_gemm_by_rows_per_group_and_a_block_scaled_one(share, per_group):
+    """tokamax's grouped GEMM at `routed_share` x C / E rows per group: its FLOPs at the
+    rate of a dense GEMM of its size times the grouped factor at that many rows (1.0 at
+    256, 0.5 at 128: the rows per group move it); cuDNN's block-scaled GEMM at its
+    factor over bf16 (the bound: at the fp8 peak)."""
+    program = Program(GROUPED)
+    program.routed_share = share
+    link = Link(LINK.bf16_flops, LINK.fp8_flops, LINK.hbm, LINK.scale_up, LINK.scale_out,
+                ROUND)
+    kernels = {k.name: k for k in roofline(program, link).kernels}
+    grouped = 8 * per_group * 2 * 256 * 512  # whole tiles of 64 rows: per_group exactly
+    assert kernels["rd"].flops == grouped
+    rd_bytes = (4096 * 256 + 8 * 256 * 512 + 4096 * 512) * 2 + 8 * 4
+    factor = {256: 1.0, 128: 0.5}[per_group]
+    assert kernels["rd"].seconds == pytest.approx(max(
+        grouped / (LINK.bf16_flops * ROUND.gemm_fraction(grouped) * factor),
+        rd_bytes / (LINK.hbm * 0.8)) + 1e-6, rel=1e-9)
+    scaled = 2 * 8 * 512 * 1024 * 256
+    bs_bytes = 8 * 512 * 256 + 8 * 1024 * 256 + 8 * 512 * 8 + 8 * 1024 * 8 + 8 * 512 * 1024 * 2
+    assert kernels["bs"].seconds == pytest.approx(max(
+        scaled / (LINK.bf16_flops * ROUND.gemm_fraction(scaled) * 1.5),
+        bs_bytes / (LINK.hbm * 0.8)) + 1e-6, rel=1e-9)
+    bound = {k.name: k for k in roofline(program, LINK).kernels}
+    assert bound["bs"].seconds == pytest.approx(max(scaled / LINK.fp8_flops, bs_bytes / LINK.hbm))

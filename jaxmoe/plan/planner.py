@@ -1,4 +1,5 @@
 """python -m jaxmoe.plan --config X [--mesh data=1,expert=8] [--target b300] [--json FILE]
+python -m jaxmoe.plan --config X --target b300 --search [--devices N] [--budget-s S]
 
 Proves (or refutes) that a configuration fits, without allocating the model: lowers
 and compiles the real train step against abstract inputs, one device per device
@@ -6,10 +7,13 @@ of the mesh, and reads from the compiled program, per device: parameter,
 optimizer-state, gradient and activation memory and the peak; the bytes each kind
 of collective moves per step, within hosts and between them; the FLOPs of its
 matrix products per named scope and pass, and what the expert GEMMs do against
-the routed rows' work. From the device's datasheet it predicts step time and
-tokens/s at an assumed MFU, and bounds the model TFLOP/s per device at the
-datasheet's peaks and link bandwidths (`--reference-tflops` prints a measured
-figure beside it), printing its assumptions.
+the routed rows' work. On a GPU target it walks the compiled program's schedule
+twice: at the rates GPUs of that generation measurably reach (`jaxmoe.plan.rates`),
+the expected step, and at the datasheet's peaks, the bound; model TFLOP/s in PaLM's,
+Megatron's and MaxText's counts (`--reference-tflops` and `--reference-count`
+print a measured figure beside them in its own count), with its assumptions.
+`--search` ranks the layouts a config could run on by their expected step
+(`jaxmoe.plan.search`).
 
 --target h100|h200|b200|b300 compiles for that GPU with XLA:GPU's own compiler,
 which runs without a GPU (`jaxmoe.plan.targets`; the `gpu-compile` extra): the program
@@ -213,11 +217,12 @@ def throughput_bound(cfg, model_flops: float, flops_by_scope: dict, moved: dict,
 def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: float) -> dict:
     import jax
 
-    from jaxmoe.config import flops_per_token, load_config, param_counts
+    from jaxmoe.config import FLOP_COUNTS, flops_per_token, load_config, param_counts
     from jaxmoe.plan.hlo import Program
     from jaxmoe.plan.collectives import collectives, totals
     from jaxmoe.parallel.pipeline import bubble_fraction
     from jaxmoe.plan.program_flops import program_flops
+    from jaxmoe.plan.rates import rates_for
     from jaxmoe.plan.roofline import Link, roofline, summary
     from jaxmoe.step import uses_per_device_step
 
@@ -266,12 +271,19 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     kernels = step_kernels(mesh, cfg)
     bound = throughput_bound(cfg, model_flops, flops.by_scope, moved, across, datasheet,
                              kernels["native_mxfp8"])
-    roof = None
+    roof = expected = None
     if target != "cpu":  # XLA:CPU's program is not the one a GPU would run
         host = [d.process_index for d in mesh.devices.flat]
+        host = host if len(set(host)) > 1 else None
         link = Link.of(datasheet)
-        roof = summary(roofline(program, link, host if len(set(host)) > 1 else None),
-                       model_flops, tokens / n, link)
+        roof = summary(roofline(program, link, host), model_flops, tokens / n, link)
+        expected = summary(roofline(program, Link.of(datasheet, expected=True), host),
+                           model_flops, tokens / n, link)
+        expected["rates"] = rates_for(datasheet.compute_capability).generation
+        for walk in (roof, expected):  # model FLOP/s as each anchor counts them
+            walk["model_tflops_by_count"] = {
+                k: flops_per_token(cfg, k) * tokens / n / walk["step_s"] / 1e12
+                for k in FLOP_COUNTS}
     compute_s = model_flops / (datasheet.peak("bf16") * mfu)
     comm_s = bound["scale_up_s"] + bound["scale_out_s"]  # the links one after the other
     return {
@@ -308,7 +320,10 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
                       "model_tflops_per_device": [model_flops / (compute_s + comm_s) / 1e12,
                                                   model_flops / max(compute_s, comm_s) / 1e12]},
         "bound": bound,
+        # the walk of the compiled program at the datasheet's peaks (a bound), and at the
+        # rates GPUs of its generation measurably reach (`jaxmoe.plan.rates`)
         "roofline": roof,
+        "expected": expected,
         "fits": peak <= datasheet.memory, "device_memory": datasheet.memory,
         "largest_buffers": buffers,
         # JAX preallocates 75% of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says more
@@ -392,8 +407,9 @@ def print_plan(p: dict) -> None:
           f"{pr['model_tflops_per_device'][0]:,.0f}-{pr['model_tflops_per_device'][1]:,.0f} "
           "model TFLOP/s per device")
     b = p["bound"]
-    reference = f"; measured by the reference: {p['reference_tflops']:,.0f}" \
-        if p.get("reference_tflops") else ""
+    count = p.get("reference_count") or "palm"
+    reference = (f"; measured by the reference: {p['reference_tflops']:,.0f} in {count}'s "
+                 "count" if p.get("reference_tflops") else "")
     print(f"  bound, not a measurement: at most {b['model_tflops_bound']:,.0f} model TFLOP/s "
           f"per device with perfect overlap, {b['model_tflops_no_overlap']:,.0f} with none"
           f"{reference}")
@@ -403,7 +419,8 @@ def print_plan(p: dict) -> None:
           f"{b['bf16_flops']:.2e} at {b['bf16_peak'] / 1e12:,.0f} bf16 TFLOP/s), NVLink "
           f"{b['scale_up_s']:.2f} s, network {b['scale_out_s']:.2f} s per step")
     if p["roofline"]:
-        print_roofline(p["roofline"], reference)
+        print_roofline(p["expected"], reference, expected=True, count=count)
+        print_roofline(p["roofline"], reference, count=count)
     for a in p["assumptions"]:
         print(f"  assumes: {a}")
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
@@ -415,13 +432,21 @@ def print_plan(p: dict) -> None:
               f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} or more")
 
 
-def print_roofline(r: dict, reference: str = "", top: int = 6) -> None:
-    """The roofline's prediction (`jaxmoe.plan.roofline`), its parts, and where the time goes
-    beyond the matrix products."""
-    print(f"  roofline of the compiled program (a prediction, not a measurement): step "
+def print_roofline(r: dict, reference: str = "", top: int = 6, expected: bool = False,
+                   count: str = "palm") -> None:
+    """The walk of the compiled program (`jaxmoe.plan.roofline`): the expected step, at
+    measured rates, or the bound, at the datasheet's peaks; its parts, and where the
+    time goes beyond the matrix products."""
+    title = (f"expected step, at the rates {r['rates']} GPUs measurably reach "
+             "(jaxmoe.plan.rates; a prediction, not a measurement)" if expected else
+             "bound: the same program at the datasheet's peaks")
+    tflops = r.get("model_tflops_by_count", {}).get(count, r["model_tflops_per_device"])
+    others = ", ".join(f"{v:,.0f} in {k}'s" for k, v in r.get("model_tflops_by_count", {}).items()
+                       if k != count)
+    print(f"  {title}: step "
           f"{r['step_s']:.3f} s, {r['tokens_per_s_per_device']:,.0f} tokens/s per device, "
-          f"{r['model_tflops_per_device']:,.0f} model TFLOP/s per device, MFU {r['mfu']:.1%}"
-          f"{reference}")
+          f"{tflops:,.0f} model TFLOP/s per device in {count}'s count"
+          + (f" ({others})" if others else "") + f", MFU {r['mfu']:.1%}{reference}")
     print(f"    kernels: matrix products {r['gemm_s']:.3f} s, memory-bound "
           f"{r['memory_bound_s']:.3f} s ({r['memory_bound_bytes']:.3g} bytes); collectives "
           f"{r['collective_s']:.3f} s, of "
@@ -434,11 +459,14 @@ def print_roofline(r: dict, reference: str = "", top: int = 6) -> None:
             print(f"    {title} by scope/pass: " + ", ".join(
                 f"{k} {v[key]:.3f} s" + (f" ({v['bytes']:.2g} B)" if "bytes" in v else "")
                 for k, v in shown))
+    if expected:
+        return
     print("    assumes: each kernel at max(FLOPs / peak, bytes / HBM bandwidth) at the "
           "datasheet's peaks (fp8 operands at the fp8 peak, fp32 at half the bf16); each "
           "collective at its link's bandwidth plus a fixed latency, one at a time, async ones "
-          "beside the kernels the schedule put in their window; cannot know: kernels below "
-          "peak (tiles, launch overhead), caches, contention between kernels and collectives")
+          "beside the kernels the schedule put in their window; the expected step walks the "
+          "same schedule with each at its measured fraction, plus a launch cost per kernel; "
+          "neither knows caches or contention between kernels and collectives")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -455,6 +483,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the plan to this file")
     parser.add_argument("--reference-tflops", type=float,
                         help="a measured model TFLOP/s per GPU to print beside the bound")
+    parser.add_argument("--reference-count", choices=["palm", "megatron", "maxtext"],
+                        default="palm", help="how the reference counts model FLOPs: "
+                        "jaxmoe's figures beside it are printed in the same count")
+    parser.add_argument("--search", action="store_true",
+                        help="rank the layouts (mesh, pipeline, remat, dispatcher) by expected "
+                             "step on --target, compiling each (jaxmoe.plan.search)")
+    parser.add_argument("--devices", type=int,
+                        help="--search: the devices to lay out (default: the config's mesh)")
+    parser.add_argument("--axes", default="data,stage,expert,context",
+                        help="--search: the mesh axes to lay the devices over (others stay 1)")
+    parser.add_argument("--budget-s", type=float, default=600.0,
+                        help="--search: stop compiling candidates after this many seconds")
     args = parser.parse_args(argv)
     if args.target != "cpu" and args.device not in (None, args.target):
         parser.error(f"--device {args.device} with --target {args.target}: a GPU target is "
@@ -469,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     sizes = [getattr(cfg.mesh, a) for a in AXES]
+    if args.search:
+        return _search(cfg, args, sizes)
     if -1 in sizes:
         print("error: mesh: the planner needs every mesh axis given (no -1); use --mesh",
               file=sys.stderr)
@@ -486,11 +528,53 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result["reference_tflops"] = args.reference_tflops
+    result["reference_count"] = args.reference_count
     print_plan(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def _search(cfg, args, sizes: list[int]) -> int:
+    from jaxmoe.plan.search import print_search, search
+    devices = args.devices or (math.prod(sizes) if -1 not in sizes else None)
+    if devices is None or devices < 1:
+        print("error: --search needs --devices N (the config's mesh leaves an axis at -1)",
+              file=sys.stderr)
+        return 2
+    if args.target == "cpu":
+        print("error: --search ranks by the expected step on a GPU: give --target",
+              file=sys.stderr)
+        return 2
+    if not gpu_compiler_available():
+        print(f"error: --search needs the GPU compiler: {EXTRA}", file=sys.stderr)
+        return 2
+    if "jax" not in sys.modules:
+        os.environ.update(cpu_devices_env(os.environ, 1))
+
+    def progress(i: int, n: int, candidate) -> None:
+        print(f"  [{i + 1}/{n}] compiling {candidate} ...", flush=True)
+
+    print(f"searching the layouts of {args.config} on {devices} virtual "
+          f"{args.target.upper()}s (XLA:GPU), at most {args.budget_s:.0f} s of compiling",
+          flush=True)
+    axes = tuple(a.strip() for a in args.axes.split(",") if a.strip())
+    unknown = [a for a in axes if a not in AXES]
+    if unknown:
+        print(f"error: --axes: {unknown} are not mesh axes {list(AXES)}", file=sys.stderr)
+        return 2
+    rows, refused = search(cfg, devices, args.target, args.budget_s, progress, axes=axes)
+    print_search(rows, refused)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"layout": str(r.candidate), "overrides": r.candidate.overrides(),
+                        "static_bytes": r.static_bytes, "peak_bytes": r.peak_bytes,
+                        "expected_step_s": r.expected_step_s, "bound_step_s": r.bound_step_s,
+                        "tokens_per_s_per_device": r.tokens_per_s_per_device, "fits": r.fits,
+                        "why_not": r.why_not, "compile_s": r.compile_s} for r in rows], f,
+                      indent=2)
+    return 0 if rows and rows[0].fits else 1
 
 
 if __name__ == "__main__":

@@ -185,6 +185,29 @@ def grouped_gemm(inst: Instruction) -> bool:
     return _row_tile(inst) is not None
 
 
+def block_scaled(inst: Instruction) -> bool:
+    """Whether `inst` is cuDNN's block-scaled (MXFP8) GEMM."""
+    return inst.op == "custom-call" and inst.target in _BLOCK_SCALED
+
+
+def attention_backward(inst: Instruction) -> bool:
+    return "Backward" in inst.target
+
+
+def rows_per_group(inst: Instruction, program: Program) -> float:
+    """A grouped GEMM's rows per group at balanced routing: `routed_share` x C / E."""
+    out = arrays(inst.type_text)[0][1]
+    operands = [dims for o in inst.operands for dt, dims in arrays(program.type_of(o))
+                if dt.startswith(("f", "bf"))]
+    if len(out) == 2:
+        weight = next((d for d in operands if len(d) == 3), None)
+        C, E = out[0], weight[0] if weight else 1
+    else:
+        E, a, _ = out
+        C = math.prod(operands[0]) // a
+    return program.routed_share * C / E
+
+
 def _grouped_flops(inst: Instruction, program: Program) -> float:
     """Forward and input gradient: [C, i] x [E, i, o] -> [C, o] (the weight in either
     layout: i is what remains of it); weight gradient: [C, a] and [C, b] (or

@@ -1,5 +1,5 @@
-"""A step's time predicted from its compiled GPU program: every kernel at its roofline,
-every collective where the schedule puts it.
+"""A step's time predicted from its compiled GPU program: every kernel at its roofline
+(or its measured rate), every collective where the schedule puts it.
 
 The GEMM-only bound (`plan.throughput_bound`) counts matrix products at peak and
 collectives at link bandwidth. A compiled program spends more than that: the
@@ -26,11 +26,14 @@ the GPU runs it, one kernel after another on one compute stream:
 - loops run their body once per trip (`known_trip_count`), conditionals their
   slowest branch.
 
-What it cannot know: kernels below peak (autotuned tiles, small GEMMs, launch
-overheads, wave quantisation), caches (every byte is counted from HBM),
-collectives' contention with kernels for HBM and SMs, and several streams of
-collectives at once. It is a prediction to optimise against and to check on a
-GPU (`benchmarks/gpu.sh`), not a measurement.
+At the datasheet's peaks this is a bound. With `Link.rates` (`jaxmoe.plan.rates`)
+the same walk prices each kernel and collective at the fraction of its peak that
+GPUs of its generation measurably reach, by size where that matters (small GEMMs,
+few rows per expert), with a launch cost per kernel: the expected step. Neither
+knows caches (every byte is counted from HBM), collectives' contention with
+kernels for HBM and SMs, or several streams of collectives at once. Both are
+predictions to optimise against and to check on a GPU (`benchmarks/gpu.sh`), not
+measurements.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ from dataclasses import dataclass, field
 
 from jaxmoe.plan.hlo import Instruction, Program, arrays, nbytes
 from jaxmoe.plan.collectives import KINDS, replica_groups, sent_bytes
-from jaxmoe.plan.program_flops import pass_of, product_flops, scope_of
+from jaxmoe.plan.program_flops import (attention_backward, block_scaled, grouped_gemm,
+                                       pass_of, product_flops, rows_per_group, scope_of)
+from jaxmoe.plan.rates import Rates, rates_for
 
 # ops that launch nothing: views, tuples, control (their callees are walked)
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
@@ -61,18 +66,22 @@ LATENCY_S = {"scale_up": 10e-6, "scale_out": 25e-6}
 
 @dataclass(frozen=True)
 class Link:
-    """What the roofline assumes of one device: `jaxmoe.plan.targets.Target`'s figures."""
+    """What the walk assumes of one device: `jaxmoe.plan.targets.Target`'s datasheet
+    figures, and with `rates` the fractions of them its generation measurably reaches
+    (`jaxmoe.plan.rates`: the expected step; without, the bound)."""
 
     bf16_flops: float  # dense peak FLOP/s
     fp8_flops: float
     hbm: float  # bytes/s
     scale_up: float  # bytes/s per direction within a host
     scale_out: float  # between hosts
+    rates: Rates | None = None
 
     @classmethod
-    def of(cls, target) -> Link:
+    def of(cls, target, expected: bool = False) -> Link:
         return cls(target.peak("bf16"), target.peak("fp8") or target.peak("bf16"),
-                   target.hbm_bandwidth, target.scale_up, target.scale_out)
+                   target.hbm_bandwidth, target.scale_up, target.scale_out,
+                   rates_for(target.compute_capability) if expected else None)
 
 
 @dataclass(frozen=True)
@@ -197,15 +206,14 @@ def _call_bytes(program: Program, inst: Instruction) -> int:
     return out + sum(nbytes(program.type_of(o)) for o in inst.operands)
 
 
-def _products(program: Program, comp: str, seen: frozenset = frozenset()):
-    """(FLOPs, operand dtype) of every matrix product in `comp` and what it calls."""
-    for inst in program.computations[comp]:
-        flops = product_flops(inst, program)
-        if flops:
-            dtype = arrays(program.type_of(inst.operands[0]))
-            yield flops, dtype[0][0] if dtype else "bf16"
-        if inst.callee and inst.callee not in seen:
-            yield from _products(program, inst.callee, seen | {comp})
+def _products(program: Program, inst: Instruction, seen: frozenset = frozenset()):
+    """(FLOPs, instruction) of every matrix product `inst` is or calls."""
+    flops = product_flops(inst, program)
+    if flops:
+        yield flops, inst
+    if inst.callee and inst.callee not in seen:
+        for inner in program.computations[inst.callee]:
+            yield from _products(program, inner, seen | {inst.callee})
 
 
 def _peak(link: Link, dtype: str) -> float:
@@ -214,22 +222,41 @@ def _peak(link: Link, dtype: str) -> float:
     return link.bf16_flops / 2 if dtype in ("f32", "f64") else link.bf16_flops
 
 
+def product_seconds(program: Program, inst: Instruction, flops: float, link: Link) -> float:
+    """One matrix product's time: at the datasheet's peak for its operands' type (the
+    bound), or at the rate its class and size reach (`link.rates`, the expected)."""
+    dtype = arrays(program.type_of(inst.operands[0])) if inst.operands else []
+    dtype = "f8e4m3fn" if block_scaled(inst) else (dtype[0][0] if dtype else "bf16")
+    r = link.rates
+    if r is None:
+        return flops / _peak(link, dtype)
+    if inst.op == "custom-call" and inst.target.startswith("__cudnn$fmha"):
+        rate = r.attention_backward if attention_backward(inst) else r.attention_forward
+        return flops / (link.bf16_flops * rate.value)
+    fraction = r.gemm_fraction(flops)
+    if block_scaled(inst):
+        return flops / (link.bf16_flops * fraction * r.block_scaled.value)
+    if grouped_gemm(inst):
+        fraction *= r.grouped_factor(rows_per_group(inst, program))
+    if dtype.startswith("f8"):
+        fraction *= r.fp8.value
+    return flops / (_peak(link, dtype) * fraction)
+
+
 def kernel_cost(program: Program, inst: Instruction, link: Link) -> tuple[float, float, float]:
     """(FLOPs, bytes, seconds) of one kernel's run."""
     if inst.op in _FUSIONS:
         moved = _fusion_bytes(program, inst)
-        products = list(_products(program, inst.callee))
     else:
         moved = _call_bytes(program, inst) if inst.op == "custom-call" else (
             nbytes(inst.type_text) + sum(nbytes(program.type_of(o)) for o in inst.operands))
-        flops = product_flops(inst, program)
-        dtype = arrays(program.type_of(inst.operands[0])) if inst.operands else []
-        products = [(flops, dtype[0][0] if dtype else "bf16")] if flops else []
-    if inst.op == "custom-call" and inst.target.startswith("__cudnn$blockScaled"):
-        products = [(f, "f8e4m3fn") for f, _ in products]
+    products = list(_products(program, inst))
     flops = sum(f for f, _ in products)
-    compute = sum(f / _peak(link, dt) for f, dt in products)
-    return flops, moved, max(compute, moved / link.hbm)
+    compute = sum(product_seconds(program, p, f, link) for f, p in products)
+    if link.rates is None:
+        return flops, moved, max(compute, moved / link.hbm)
+    r = link.rates
+    return flops, moved, max(compute, moved / (link.hbm * r.hbm.value)) + r.launch_s.value
 
 
 # ---------------------------------------------------------------- a collective's cost
@@ -244,6 +271,12 @@ def _collective_seconds(program: Program, inst: Instruction, kind: str, link: Li
     sent = sent_bytes(base if base in KINDS else "all-reduce", operand, len(groups[0]), inst.attrs)
     if not sent:
         return 0.0
+    r = link.rates
+    up = link.scale_up * (1.0 if r is None else (
+        r.all_to_all if base == "all-to-all" else r.scale_up).value)
+    out = link.scale_out * (1.0 if r is None else r.scale_out.value)
+    latency = LATENCY_S if r is None else {"scale_up": r.latency_s.value,
+                                           "scale_out": r.latency_s.value}
     across = 0.0
     if host is not None and any(len({host[i] for i in g}) > 1 for g in groups):
         across = sent
@@ -251,9 +284,8 @@ def _collective_seconds(program: Program, inst: Instruction, kind: str, link: Li
             g = groups[0]
             across = sent * sum(host[i] != host[g[0]] for i in g) / (len(g) - 1)
     if across:
-        return max((sent - across) / link.scale_up, across / link.scale_out) \
-            + LATENCY_S["scale_out"]
-    return sent / link.scale_up + LATENCY_S["scale_up"]
+        return max((sent - across) / up, across / out) + latency["scale_out"]
+    return sent / up + latency["scale_up"]
 
 
 def _is_sync(inst: Instruction) -> bool:
@@ -400,6 +432,7 @@ def summary(r: Roofline, model_flops: float, tokens_per_device: float, link: Lin
             "collective_s": r.collective_seconds(), "exposed_collective_s": r.exposed_seconds(),
             "synchronous_collectives": sum(not c.asynchronous for c in r.collectives
                                            if c.seconds > 0),
+            "kernel_runs": sum(k.runs for k in r.kernels),
             "memory_bound_by_scope": r.by_scope("memory"),
             "gemm_by_scope": r.by_scope("gemm"),
             "exposed_by_scope": r.exposed_by_scope()}

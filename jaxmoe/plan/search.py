@@ -1,0 +1,201 @@
+"""The layout a config should run on: `python -m jaxmoe.plan --search`.
+
+For a config, a device count and a GPU, every layout jaxmoe can run is a
+candidate: the mesh (data x stage x expert x context over the devices), the
+pipeline's micro-batches and virtual stages where there are stages, what each
+layer keeps for its backward (`train.remat`) and the expert dispatcher. A
+candidate the config's own checks refuse is dropped, with the first reason
+counted; one whose weights, gradients and optimizer state alone exceed the GPU's
+memory (`static_bytes`, from the parameter counts: no compile) is pruned. The
+survivors are compiled for the GPU without one (`jaxmoe.plan.planner`), cheapest
+static memory first, until the time budget is spent, and ranked by their expected
+step (`jaxmoe.plan.rates`) among those whose compiled peak fits. The winner is
+printed as the `--set` overrides that select it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from jaxmoe.config import MESH_AXES, Config, ConfigError, override_config, param_counts
+
+
+@dataclass(frozen=True)
+class Candidate:
+    data: int
+    stage: int
+    expert: int
+    context: int
+    stage_microbatches: int
+    virtual_stages: int
+    remat: str
+    dispatcher: str
+
+    def overrides(self) -> list[str]:
+        return [f"mesh.data={self.data}", f"mesh.stage={self.stage}",
+                f"mesh.expert={self.expert}", f"mesh.context={self.context}",
+                f"pipeline.stage_microbatches={self.stage_microbatches}",
+                f"pipeline.virtual_stages={self.virtual_stages}", f"train.remat={self.remat}",
+                f"moe.dispatcher={self.dispatcher}"]
+
+    def __str__(self) -> str:
+        mesh = " x ".join(f"{a} {getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1)
+        pipe = (f", {self.stage_microbatches} micro-batches x {self.virtual_stages} virtual"
+                if self.stage > 1 else "")
+        return f"{mesh or 'data 1'}{pipe}, remat {self.remat}, {self.dispatcher}"
+
+
+@dataclass
+class Row:
+    candidate: Candidate
+    static_bytes: float
+    peak_bytes: float | None = None
+    expected_step_s: float | None = None
+    bound_step_s: float | None = None
+    tokens_per_s_per_device: float | None = None
+    fits: bool | None = None
+    why_not: str = ""  # pruned, refused by the compiler, or past the budget
+    compile_s: float = 0.0
+
+
+def _factorisations(n: int, parts: int):
+    """Every ordered way of writing n as a product of `parts` positive factors."""
+    if parts == 1:
+        yield (n,)
+        return
+    for f in range(1, n + 1):
+        if n % f == 0:
+            for rest in _factorisations(n // f, parts - 1):
+                yield (f, *rest)
+
+
+def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
+               remats: tuple[str, ...] = ("full", "none"),
+               dispatchers: tuple[str, ...] | None = None,
+               stage_microbatches: tuple[int, ...] = (1, 2, 4, 8),
+               virtual_stages: tuple[int, ...] = (1, 2, 4)
+               ) -> tuple[list[tuple[Candidate, Config]], Counter]:
+    """Every layout of `cfg` on `devices` devices its checks accept (with its config),
+    and how many were refused, by the first words of the reason. Mesh axes not in
+    `axes` stay 1."""
+    if dispatchers is None:
+        dispatchers = ("alltoall", "ragged") if cfg.num_moe_layers else (cfg.moe.dispatcher,)
+    out, refused = [], Counter()
+    for sizes in _factorisations(devices, 4):
+        data, stage, expert, context = sizes
+        if any(n > 1 and a not in axes for a, n in zip(("data", "stage", "expert", "context"),
+                                                        sizes)):
+            continue
+        pipes = itertools.product(stage_microbatches, virtual_stages) if stage > 1 else [(1, 1)]
+        for (micro, virtual), remat, dispatcher in itertools.product(pipes, remats, dispatchers):
+            if expert == 1 and dispatcher != dispatchers[0]:
+                continue  # without an expert axis the dispatchers are one program
+            c = Candidate(data, stage, expert, context, micro, virtual, remat,
+                          dispatcher if expert > 1 else cfg.moe.dispatcher)
+            try:
+                out.append((c, override_config(cfg, c.overrides())))
+            except ConfigError as e:
+                refused[str(e).split(":")[0]] += 1
+    return out, refused
+
+
+def static_bytes(cfg: Config) -> float:
+    """Per device, what the step holds whatever its activations: fp32 master weights,
+    bf16 working copy and gradients, Adam's two moments (sharded over the replicas
+    under ZeRO-1; the first in `optimizer.mu_dtype`). Dense weights are split over
+    stages, experts over stages and the expert axis."""
+    counts, m, mesh = param_counts(cfg), cfg.model, cfg.mesh
+    experts = (cfg.num_moe_layers * cfg.moe.num_experts * 3 * m.d_model * cfg.moe.expert_hidden)
+    dense = counts.total - experts
+    mu = 2 if cfg.optimizer.mu_dtype == "bfloat16" else 4
+    per_param = 4 + 2 + 4  # master, working copy, gradient
+    dense_replicas = mesh.data * mesh.expert * mesh.context
+    expert_replicas = mesh.data * mesh.context
+    moments = mu + 4
+    shard = (lambda replicas: replicas) if mesh.zero1 else (lambda replicas: 1)
+    return (dense / mesh.stage * (per_param + moments / shard(dense_replicas))
+            + experts / (mesh.stage * mesh.expert) * (per_param + moments / shard(expert_replicas)))
+
+
+def evaluate(cfg: Config, target: str) -> dict:
+    """One candidate compiled for `target`: its peak, expected and bound step."""
+    from jaxmoe.plan.hlo import Program
+    from jaxmoe.plan.planner import compile_train_step, peak_bytes, routed_share
+    from jaxmoe.plan.roofline import Link, roofline
+    from jaxmoe.plan.targets import get_target
+
+    compiled, steps, _ = compile_train_step(cfg, target)
+    program = Program(compiled.as_text())
+    program.routed_share = routed_share(cfg)
+    host = [d.process_index for d in steps.mesh.devices.flat]
+    host = host if len(set(host)) > 1 else None
+    gpu = get_target(target)
+    expected = roofline(program, Link.of(gpu, expected=True), host).step_s
+    return {"peak": peak_bytes(compiled.memory_analysis()), "expected": expected,
+            "bound": roofline(program, Link.of(gpu), host).step_s}
+
+
+def search(cfg: Config, devices: int, target: str, budget_s: float = 600.0,
+           progress=None, evaluate=evaluate, memory: float | None = None,
+           **choices) -> tuple[list[Row], Counter]:
+    """Every candidate's row, ranked: fitting ones by expected step, then the rest.
+    `memory`: the bytes a device may hold (default: the target's)."""
+    from jaxmoe.plan.targets import get_target
+
+    memory = memory or get_target(target).memory
+    found, refused = candidates(cfg, devices, **choices)
+    rows = sorted((Row(c, static_bytes(config)) for c, config in found),
+                  key=lambda r: r.static_bytes)
+    configs = dict(found)
+    start = time.perf_counter()
+    for i, row in enumerate(rows):
+        if row.static_bytes > memory:
+            row.why_not = f"pruned: weights and optimizer state {row.static_bytes / 1e9:.0f} GB"
+            continue
+        if time.perf_counter() - start > budget_s:
+            row.why_not = "not compiled: past the time budget"
+            continue
+        if progress:
+            progress(i, len(rows), row.candidate)
+        began = time.perf_counter()
+        try:
+            figures = evaluate(configs[row.candidate], target)
+        except (ConfigError, ValueError) as e:  # checks that need the mesh
+            row.why_not = f"refused: {str(e).splitlines()[0][:100]}"
+            continue
+        row.compile_s = time.perf_counter() - began
+        row.peak_bytes, row.fits = figures["peak"], figures["peak"] <= memory
+        row.expected_step_s, row.bound_step_s = figures["expected"], figures["bound"]
+        t = cfg.train
+        row.tokens_per_s_per_device = t.batch_size * t.seq_len / devices / figures["expected"]
+    rows.sort(key=lambda r: (not r.fits, r.expected_step_s is None,
+                             r.expected_step_s or math.inf, r.static_bytes))
+    return rows, refused
+
+
+def print_search(rows: list[Row], refused: Counter, top: int = 12) -> None:
+    gb = lambda b: "-" if b is None else f"{b / 1e9:,.1f} GB"  # noqa: E731
+    compiled = [r for r in rows if r.expected_step_s is not None]
+    print(f"{len(rows)} layouts the config accepts ({sum(refused.values())} refused: "
+          + ", ".join(f"{n} {why}" for why, n in refused.most_common(4)) + f"); "
+          f"{len(compiled)} compiled, {sum(1 for r in rows if r.why_not.startswith('pruned'))} "
+          "pruned by their weights and optimizer state")
+    print("| rank | layout | expected step | bound | tokens/s per GPU | peak | fits |")
+    print("|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rows[:top], 1):
+        if r.expected_step_s is None:
+            print(f"| - | {r.candidate} | {r.why_not} | | | {gb(r.static_bytes)} static | |")
+            continue
+        print(f"| {i} | {r.candidate} | {r.expected_step_s:.3f} s | {r.bound_step_s:.3f} s "
+              f"| {r.tokens_per_s_per_device:,.0f} | {gb(r.peak_bytes)} | "
+              f"{'yes' if r.fits else 'no'} |")
+    best = rows[0] if rows and rows[0].fits else None
+    if best is None:
+        print("no layout compiled fits: widen the budget, or add devices")
+    else:
+        print("best: " + " ".join(f"--set {o}" for o in best.candidate.overrides()))
+

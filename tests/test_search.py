@@ -1,0 +1,99 @@
+"""The layout search (`jaxmoe.plan.search`): the candidates a config accepts, pruning by
+static memory, the time budget, ranking by expected step among layouts that fit, and
+the search against a brute-force loop over the same candidates, compiled for 8
+virtual B300s."""
+
+import pytest
+
+from jaxmoe.config import config_from_dict
+from jaxmoe.plan import search as S
+from jaxmoe.plan.targets import gpu_compiler_available
+
+RAW = {"model": {"d_model": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+                 "num_dense_layers": 0, "mlp_hidden": 128, "compute_dtype": "bfloat16"},
+       "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 64},
+       "train": {"batch_size": 16, "seq_len": 64}}
+ONE_PIPE = {"remats": ("full",), "dispatchers": ("alltoall",), "stage_microbatches": (2,),
+            "virtual_stages": (1,)}
+
+
+def test_candidates_are_every_layout_the_config_accepts():
+    """8 devices over 4 axes: 20 ordered factorisations; 8 stages of 4 layers and a
+    context of 8 over 4 heads are refused by the config's checks, the other 18 kept
+    (without an expert axis, the config's own dispatcher)."""
+    cfg = config_from_dict(RAW)
+    found, refused = S.candidates(cfg, 8, **ONE_PIPE)
+    assert len(found) == 18 and refused == {"mesh.stage": 1, "mesh.context": 1}
+    assert {c.dispatcher for c, _ in found if c.expert == 1} == {cfg.moe.dispatcher}
+    # restricted to two axes: data x expert, 4 ways
+    two, _ = S.candidates(cfg, 8, axes=("data", "expert"), **ONE_PIPE)
+    assert sorted((c.data, c.expert) for c, _ in two) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    # each candidate's config is the layout it names
+    c, config = two[0]
+    assert (config.mesh.data, config.mesh.expert, config.train.remat) == (c.data, c.expert,
+                                                                          c.remat)
+
+
+def test_static_bytes_by_hand():
+    """Master weights, working copy and gradient (10 bytes) per parameter on its device,
+    Adam's moments (8) over the replicas that share it under ZeRO-1."""
+    from jaxmoe.config import param_counts
+    cfg = config_from_dict({**RAW, "mesh": {"data": 2, "expert": 4}})
+    experts = 4 * 8 * 3 * 64 * 64
+    dense = param_counts(cfg).total - experts
+    assert S.static_bytes(cfg) == pytest.approx(dense * (10 + 8 / 8) + experts / 4 * (10 + 8 / 2))
+
+
+def _fake_evaluate(figures):
+    def evaluate(cfg, target):
+        return figures[(cfg.mesh.data, cfg.mesh.expert)]
+    return evaluate
+
+
+def test_ranked_by_expected_step_among_those_that_fit():
+    """The fastest layout that does not fit ranks after every one that does; rows past
+    the budget are marked, not ranked; a memory below every layout's static bytes
+    prunes all of them (no compile). Companion: with room for it, the fastest wins."""
+    cfg = config_from_dict(RAW)
+    figures = {(1, 8): {"peak": 9e9, "expected": 1.0, "bound": 0.5},  # fastest, too big
+               (2, 4): {"peak": 1e9, "expected": 2.0, "bound": 1.0},
+               (4, 2): {"peak": 1e9, "expected": 3.0, "bound": 1.5},
+               (8, 1): {"peak": 1e9, "expected": 4.0, "bound": 2.0}}
+    choices = {"axes": ("data", "expert"), **ONE_PIPE}
+    rows, _ = S.search(cfg, 8, "b300", evaluate=_fake_evaluate(figures), memory=5e9, **choices)
+    order = [(r.candidate.data, r.candidate.expert) for r in rows]
+    assert order == [(2, 4), (4, 2), (8, 1), (1, 8)] and not rows[-1].fits
+    rows, _ = S.search(cfg, 8, "b300", evaluate=_fake_evaluate(figures), memory=10e9, **choices)
+    assert (rows[0].candidate.data, rows[0].candidate.expert) == (1, 8)
+    rows, _ = S.search(cfg, 8, "b300", budget_s=-1, evaluate=_fake_evaluate(figures),
+                       **choices)
+    assert all(r.why_not == "not compiled: past the time budget" for r in rows)
+    rows, _ = S.search(cfg, 8, "b300", evaluate=None, memory=1.0, **choices)
+    assert all(r.why_not.startswith("pruned") for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not gpu_compiler_available(), reason="needs the gpu-compile extra")
+def test_the_search_finds_what_brute_force_finds(capsys):
+    """data x expert on 8 virtual B300s, each compiled once: the search's winner is
+    the layout with the least expected step among those whose peak fits, found by a
+    loop over every candidate; the planner prints its overrides."""
+    cfg = config_from_dict(RAW)
+    seen = {}
+
+    def evaluate(config, target):
+        seen[(config.mesh.data, config.mesh.expert)] = S.evaluate(config, target)
+        return seen[(config.mesh.data, config.mesh.expert)]
+
+    choices = {"axes": ("data", "expert"), **ONE_PIPE}
+    rows, refused = S.search(cfg, 8, "b300", evaluate=evaluate, **choices)
+    found, _ = S.candidates(cfg, 8, **choices)
+    assert len(seen) == len(found) == 4
+    brute = min((c for c, _ in found), key=lambda c: seen[(c.data, c.expert)]["expected"])
+    assert rows[0].candidate == brute and rows[0].fits
+    # the expected steps differ between layouts (the search has something to rank)
+    steps = sorted(f["expected"] for f in seen.values())
+    assert steps[0] < steps[-1] and all(f["expected"] > f["bound"] for f in seen.values())
+    S.print_search(rows, refused)
+    out = capsys.readouterr().out
+    assert "best: " + " ".join(f"--set {o}" for o in brute.overrides()) in out
