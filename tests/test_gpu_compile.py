@@ -485,6 +485,27 @@ def test_shipped_gpu_configs_compile_for_an_h100(name):
     assert _expert_ratio(program, cfg) == pytest.approx(1.0, rel=1e-6)
 
 
+def test_the_olmocore_47b_row_is_its_anchors_step():
+    """configs/olmocore_47b_8xb300.yaml is OLMo-core's measured 47B row: 4 Mi tokens a
+    step in micro-batches of 2 sequences per GPU on 8 GPUs, bf16. At toy widths (its
+    batch, accumulation, layers and layout as shipped) it compiles for 8 virtual
+    B300s: the grouped kernel over the routed rows, and nothing recomputed (its
+    remat: none; companion: remat full recomputes the forward)."""
+    path = Path(__file__).parent.parent / "configs" / "olmocore_47b_8xb300.yaml"
+    cfg = load_config(path)
+    t = cfg.train
+    assert t.batch_size * t.seq_len == 4 * 2**20 and cfg.mesh.devices == 8
+    assert t.batch_size // t.accumulation_steps // cfg.mesh.devices == 2
+    assert cfg.model.compute_dtype == "bfloat16" and cfg.moe.expert_precision == "compute"
+    toy = load_config(path, TOY_WIDTHS)
+    flops = program_flops(_compile("b300", None, toy))
+    assert set(flops.kernels["expert_gemms"]) == {"grouped"}
+    assert flops.total(passes=("recompute",)) == 0 < flops.total(passes=("forward",))
+    full = program_flops(_compile("b300", None, load_config(path, TOY_WIDTHS +
+                                                            ["train.remat=full"])))
+    assert full.total(passes=("recompute",)) > 0
+
+
 def test_in_loop_scoring_stays_within_the_train_steps_memory():
     """train.evals on the 47B config for 8 B300s: the dropless scoring program at the
     rows `Downstream` picks plans less memory per device than the train step; at the

@@ -180,8 +180,9 @@ def search(cfg: Config, devices: int, target: str, budget_s: float = 600.0,
 def print_search(rows: list[Row], refused: Counter, top: int = 12) -> None:
     gb = lambda b: "-" if b is None else f"{b / 1e9:,.1f} GB"  # noqa: E731
     compiled = [r for r in rows if r.expected_step_s is not None]
-    print(f"{len(rows)} layouts the config accepts ({sum(refused.values())} refused: "
-          + ", ".join(f"{n} {why}" for why, n in refused.most_common(4)) + f"); "
+    reasons = ", ".join(f"{n} by {why}" for why, n in refused.most_common(4))
+    print(f"{len(rows)} layouts the config accepts ({sum(refused.values())} refused"
+          + (f": {reasons}" if reasons else "") + "); "
           f"{len(compiled)} compiled, {sum(1 for r in rows if r.why_not.startswith('pruned'))} "
           "pruned by their weights and optimizer state")
     print("| rank | layout | expected step | bound | tokens/s per GPU | peak | fits |")
