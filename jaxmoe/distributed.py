@@ -10,8 +10,9 @@ Every process must call `initialize` before anything touches a device. A process
 that dies is noticed by the others within half of `peer_timeout` seconds (at
 most 30): each says it is alive every second in the coordination service's
 key-value store, and one that falls silent ends every other process with one
-line (`PeerWatch`), before JAX's own heartbeat timeout would abort them with its
-log. A process that leaves early waits at most `peer_timeout` for the rest.
+line (`PeerWatch`), well before JAX's own heartbeat timeout (twice `peer_timeout`)
+would abort them with its log. A process that leaves early waits at most
+`peer_timeout` for the rest.
 """
 
 from __future__ import annotations
@@ -130,14 +131,17 @@ def initialize(p: Processes | None) -> None:
     if p is None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices across processes
+    silence_s = min(p.peer_timeout / 2, 30.0)
+    # JAX's missed-heartbeat abort is the backstop behind the watch: at twice the peer
+    # timeout it comes at least 3 peer timeouts / 2 after the watch's verdict (at 8 s,
+    # 12 s after; at the whole timeout it came 1 s after, and a loaded host lost the race)
     jax.distributed.initialize(
         coordinator_address=p.coordinator, num_processes=p.num_processes,
         process_id=p.process_id, initialization_timeout=p.peer_timeout,
-        heartbeat_timeout_seconds=p.peer_timeout, shutdown_timeout_seconds=p.peer_timeout)
+        heartbeat_timeout_seconds=2 * p.peer_timeout, shutdown_timeout_seconds=p.peer_timeout)
     global _watch
     from jax._src.distributed import global_state  # private: where JAX keeps its client
-    _watch = PeerWatch(global_state.client, p.process_id, p.num_processes,
-                       silence_s=min(p.peer_timeout / 2, 30.0))
+    _watch = PeerWatch(global_state.client, p.process_id, p.num_processes, silence_s)
     _watch.start()
 
 
@@ -149,7 +153,7 @@ class PeerWatch:
     reads that one key each beat, leaves first: one line on stderr, the cleanups
     registered with `on_stop` (the run directory's lock), exit status 2. A process that
     has finished says so (`done`) and is no longer watched. Without this, JAX's
-    missed-heartbeat abort after the whole peer timeout prints the coordination
+    missed-heartbeat abort after twice the peer timeout prints the coordination
     service's log on every process. A lost process 0 takes the store with it: JAX
     aborts the others within a second (its `missed_heartbeat_callback`, which would
     let them leave in one line, fails on jaxlib 0.12 with std::bad_cast)."""

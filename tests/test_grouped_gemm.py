@@ -104,9 +104,11 @@ def test_triton_writes_ptx_for_the_ptxas_that_assembles_it(monkeypatch, tmp_path
         (tmp_path / name).mkdir()
         (tmp_path / name / "ptxas").write_text("#!/bin/sh\n")
         (tmp_path / name / "ptxas").chmod(0o755)
+    for v in variables:  # recorded as they are, so that the teardown puts that back
+        monkeypatch.setenv(v, "")
     for order in (("first", "second"), ("second", "first")):
         for v in variables:
-            monkeypatch.delenv(v, raising=False)
+            monkeypatch.delenv(v)
         monkeypatch.setenv("PATH", os.pathsep.join(str(tmp_path / d) for d in order))
         grouped_gemm._triton_writes_for_the_assembler()
         assert {os.environ[v] for v in variables} == {str(tmp_path / order[0] / "ptxas")}
