@@ -1,6 +1,6 @@
 """The shipped GPU configs' programs, compiled without a GPU: one row of figures each.
 
-    JAX_PLATFORMS=cpu python benchmarks/gpu_programs.py [NAME ...] [--json FILE]
+    JAX_PLATFORMS=cpu python benchmarks/gpu_programs.py [NAME ... | anchors] [--json FILE]
 
 Compiles each train step for its target with XLA:GPU's deviceless compiler
 (`jaxmoe.plan`) and prints, per program: the JAX and tokamax it was built with, the
@@ -11,7 +11,9 @@ beside the bound, in each anchor's FLOP count, with its three largest parts. Run
 two JAX releases (or before and after a change) to set their programs side by side;
 it reads nothing but `jaxmoe.plan.planner.plan`'s figures, so it also runs against an
 older checkout, whose configs it then compiles (`PYTHONPATH=OLD_CHECKOUT python
-benchmarks/gpu_programs.py`).
+benchmarks/gpu_programs.py`). `anchors` compiles each measured run's config
+(`jaxmoe.plan.anchors`) for its GPU and prints jaxmoe's expected figure beside the
+measured one, in the anchor's count.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ PROGRAMS = {
                     "pipeline.virtual_stages=1", "pipeline.stage_microbatches=1"]),
     "small_h100": ("configs/gpu1_small.yaml", "h100", []),
 }
+try:  # the measured runs' configs, each on its own GPU (a checkout without them has none)
+    from jaxmoe.plan.anchors import ANCHORS
+except ImportError:
+    ANCHORS = ()
+PROGRAMS.update({a.config: (f"configs/{a.config}.yaml", a.target, []) for a in ANCHORS})
 
 
 # the programs a release is compared on (the 47B on a B200 and an H100 on request)
@@ -114,19 +121,39 @@ def expected_row(f: dict) -> str:
             + f" | {parts} |")
 
 
+def anchor_row(f: dict) -> str:
+    """The anchor's measured figure beside jaxmoe's expected one and the bound, in its unit
+    and count, with the expected step's three largest parts."""
+    a = next(a for a in ANCHORS if a.config == f["program"])
+    if a.unit == "tokens/s":
+        expected, bound = f["expected_tokens_per_s_per_device"], f["tokens_per_s_per_device"]
+    else:
+        expected = f["expected_tflops_by_count"][a.count]
+        bound = f["bound_tflops_by_count"][a.count]
+    parts = ", ".join(f"{k} {v:.2f} s" for k, v in f["expected_parts_s"].items())
+    fits = "" if f["fits"] else f" (does not fit: {f['peak_gb']:.0f} GB)"
+    count = f" ({a.count}'s count)" if a.unit == "TFLOP/s" else ""
+    return (f"| {a.who}, {a.gpus} {a.target.upper()} | {a.measured:,.0f} {a.unit}{count} "
+            f"| {expected:,.0f}{fits} | {bound:,.0f} | {expected / a.measured:.2f}x "
+            f"| {f['expected_step_s']:.2f} s: {parts} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", default=DEFAULT, metavar="NAME",
                         help=f"programs to compile (default: {', '.join(DEFAULT)}; any of "
-                             f"{', '.join(PROGRAMS)})")
+                             f"{', '.join(PROGRAMS)}; or anchors: every measured run's config)")
     parser.add_argument("--json", help="append each program's figures to this file, a line each")
     args = parser.parse_args(argv)
+    if args.names == ["anchors"]:
+        args.names = [a.config for a in ANCHORS]
     unknown = [n for n in args.names if n not in PROGRAMS]
     if unknown:
         parser.error(f"unknown program(s) {unknown}; choose from {list(PROGRAMS)}")
-    rows, expected = [], []
+    rows, expected, figures_seen = [], [], []
     for name in args.names:
         f = figures(name)
+        figures_seen.append(f)
         rows.append(row(f))
         expected.append(expected_row(f))
         print(rows[-1], flush=True)
@@ -142,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
           "PaLM's count | Megatron's | MaxText's | expected step's parts |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(expected))
+    anchored = [f for f in figures_seen if any(a.config == f["program"] for a in ANCHORS)]
+    if anchored:
+        print()
+        print("| anchor | measured per GPU | jaxmoe expected, same count | bound | expected / "
+              "measured | expected step's largest parts |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(anchor_row(f) for f in anchored))
     return 0
 
 

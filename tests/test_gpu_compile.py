@@ -16,6 +16,7 @@ from jaxmoe.config import config_from_dict, load_config
 from jaxmoe.plan.hlo import Program, arrays
 from jaxmoe.model.dispatch import capacity
 from jaxmoe.model.experts import ExpertWeights, expert_ffn
+from jaxmoe.plan.anchors import ANCHORS, differences
 from jaxmoe.plan.collectives import collectives
 from jaxmoe.plan.planner import (compile_train_step, expert_gemm_ratios, routed_expert_flops,
                                  routed_share)
@@ -504,6 +505,47 @@ def test_the_olmocore_47b_row_is_its_anchors_step():
     full = program_flops(_compile("b300", None, load_config(path, TOY_WIDTHS +
                                                             ["train.remat=full"])))
     assert full.total(passes=("recompute",)) > 0
+
+
+@pytest.mark.parametrize("anchor", ANCHORS, ids=lambda a: a.config)
+def test_each_anchor_config_is_its_anchors_run(anchor):
+    """Each anchor's config holds the run it names: GPUs, global batch, sequence length,
+    sequences per GPU per pass and expert precision (companion: half the accumulation
+    slices doubles the pass, and the check says so)."""
+    path = Path(__file__).parent.parent / "configs" / f"{anchor.config}.yaml"
+    cfg = load_config(path)
+    assert differences(cfg, anchor) == []
+    assert cfg.model.compute_dtype == "bfloat16"
+    A = cfg.train.accumulation_steps
+    if A % 2 == 0:
+        changed = load_config(path, [f"train.accumulation_steps={A // 2}"])
+        assert [d.split(":")[0] for d in differences(changed, anchor)] == [
+            "sequences per GPU per pass"]
+
+
+@pytest.mark.parametrize("anchor", [a for a in ANCHORS if a.config != "olmocore_47b_8xb300"],
+                         ids=lambda a: a.config)
+def test_each_anchor_config_compiles_for_its_gpus(anchor):
+    """The anchors' configs on their own GPUs and mesh (up to 512 virtual B300s), at toy
+    widths and one MoE layer per pipeline chunk (the full programs are the planner's,
+    benchmarks/RESULTS.md "The anchors' rows"): MXFP8 experts run cuDNN's native
+    block-scaled GEMM, bf16 ones the grouped kernel, and stages hand activations on."""
+    path = Path(__file__).parent.parent / "configs" / f"{anchor.config}.yaml"
+    shipped = load_config(path)
+    m, chunks = shipped.model, shipped.mesh.stage * shipped.pipeline.virtual_stages
+    mla = [] if m.attention != "mla" else [
+        "model.num_kv_heads=4", "model.q_lora_rank=32", "model.kv_lora_rank=32",
+        "model.qk_nope_head_dim=32", "model.qk_rope_head_dim=32", "model.v_head_dim=32"]
+    toy = load_config(path, TOY_WIDTHS + mla + [
+        f"model.num_layers={m.num_dense_layers + chunks}", "train.loss_chunk=0"])
+    program = _compile(anchor.target, None, toy)
+    assert len(program.mesh.devices.flat) == anchor.gpus
+    if anchor.expert_precision == "mxfp8":
+        assert _block_scaled_calls(program)
+    else:
+        assert set(program_flops(program).kernels["expert_gemms"]) == {"grouped"}
+    permutes = [c for c in collectives(program) if c.kind == "collective-permute"]
+    assert bool(permutes) == (shipped.mesh.stage > 1)
 
 
 def test_in_loop_scoring_stays_within_the_train_steps_memory():

@@ -34,14 +34,58 @@ def test_candidates_are_every_layout_the_config_accepts():
                                                                           c.remat)
 
 
+def test_a_held_micro_batch_sets_each_layouts_slices():
+    """micro_batch=1 on 16 sequences and 8 devices: every layout runs one sequence per
+    GPU per pass, its accumulation slices making up the rest (data 8: 2 slices; stage 2
+    with 2 micro-batches over 4 devices a stage: 2 slices); where no whole number of
+    slices gives the pass (3 sequences of 16), the layout is refused. Companion:
+    without it the config's one slice stays, and the sequences per pass follow the
+    layout."""
+    from jaxmoe.plan.anchors import micro_batch
+    cfg = config_from_dict(RAW)
+    held, _ = S.candidates(cfg, 8, axes=("data", "stage", "expert"), micro_batch=1, **ONE_PIPE)
+    assert held and {micro_batch(config) for _, config in held} == {1}
+    slices = {(c.data, c.stage, c.expert): c.accumulation_steps for c, _ in held}
+    assert slices[(8, 1, 1)] == 2 and slices[(2, 2, 2)] == 2 and slices[(1, 1, 8)] == 2
+    free, _ = S.candidates(cfg, 8, axes=("data", "stage", "expert"), **ONE_PIPE)
+    assert {c.accumulation_steps for c, _ in free} == {1}
+    assert {micro_batch(config) for _, config in free} == {2.0, 4.0}
+    # three sequences a pass do not divide 16: every layout refused
+    none, refused = S.candidates(cfg, 8, axes=("data", "expert"), micro_batch=3, **ONE_PIPE)
+    assert none == [] and refused["train.accumulation_steps"] == 4
+
+
+def test_only_narrows_each_choice():
+    """`only` keeps the mesh sizes given and replaces the remat, dispatcher and pipeline
+    lists (a policy outside the defaults included); a name that is no choice is
+    refused. Companion: without it every factorisation and both defaults' remats."""
+    cfg = config_from_dict(RAW)
+    only = {"expert": (2, 4), "remat": ("save_attention",), "dispatcher": ("ragged",)}
+    found, _ = S.candidates(cfg, 8, axes=("data", "expert"), only=only)
+    assert sorted((c.data, c.expert) for c, _ in found) == [(2, 4), (4, 2)]
+    assert {(c.remat, c.dispatcher) for c, _ in found} == {("save_attention", "ragged")}
+    assert {config.train.remat for _, config in found} == {"save_attention"}
+    every, _ = S.candidates(cfg, 8, axes=("data", "expert"))
+    assert {c.expert for c, _ in every} == {1, 2, 4, 8}
+    assert {c.remat for c, _ in every} == {"full", "none"}
+    with pytest.raises(ValueError, match="not layout choices"):
+        S.candidates(cfg, 8, only={"experts": (8,)})
+
+
 def test_static_bytes_by_hand():
-    """Master weights, working copy and gradient (10 bytes) per parameter on its device,
-    Adam's moments (8) over the replicas that share it under ZeRO-1."""
+    """The bf16 working copy and gradient (4 bytes) per parameter on its device; the fp32
+    master weights and Adam's moments (12) over the replicas that share it under ZeRO-1,
+    whole without it; under fsdp all 16 over the replicas. The search's compiles check
+    that it stays below each compiled peak (test_search_finds_what_brute_force_finds)."""
     from jaxmoe.config import param_counts
     cfg = config_from_dict({**RAW, "mesh": {"data": 2, "expert": 4}})
     experts = 4 * 8 * 3 * 64 * 64
     dense = param_counts(cfg).total - experts
-    assert S.static_bytes(cfg) == pytest.approx(dense * (10 + 8 / 8) + experts / 4 * (10 + 8 / 2))
+    assert S.static_bytes(cfg) == pytest.approx(dense * (4 + 12 / 8) + experts / 4 * (4 + 12 / 2))
+    whole = config_from_dict({**RAW, "mesh": {"data": 2, "expert": 4, "zero1": False}})
+    assert S.static_bytes(whole) == pytest.approx(dense * 16 + experts / 4 * 16)
+    fsdp = config_from_dict({**RAW, "mesh": {"data": 2, "expert": 4, "parallelism": "fsdp"}})
+    assert S.static_bytes(fsdp) == pytest.approx(dense * 16 / 8 + experts / 4 * 16 / 2)
 
 
 def _fake_evaluate(figures):
@@ -77,7 +121,8 @@ def test_ranked_by_expected_step_among_those_that_fit():
 def test_the_search_finds_what_brute_force_finds(capsys):
     """data x expert on 8 virtual B300s, each compiled once: the search's winner is
     the layout with the least expected step among those whose peak fits, found by a
-    loop over every candidate; the planner prints its overrides."""
+    loop over every candidate, and no layout's static bytes exceed its compiled peak;
+    the planner prints its overrides."""
     cfg = config_from_dict(RAW)
     seen = {}
 
@@ -94,6 +139,8 @@ def test_the_search_finds_what_brute_force_finds(capsys):
     # the expected steps differ between layouts (the search has something to rank)
     steps = sorted(f["expected"] for f in seen.values())
     assert steps[0] < steps[-1] and all(f["expected"] > f["bound"] for f in seen.values())
+    # the pruning bound never exceeds what a layout compiled to hold
+    assert all(r.static_bytes <= r.peak_bytes for r in rows)
     S.print_search(rows, refused)
     out = capsys.readouterr().out
     assert "best: " + " ".join(f"--set {o}" for o in brute.overrides()) in out

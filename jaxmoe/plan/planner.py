@@ -495,6 +495,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="--search: the mesh axes to lay the devices over (others stay 1)")
     parser.add_argument("--budget-s", type=float, default=600.0,
                         help="--search: stop compiling candidates after this many seconds")
+    parser.add_argument("--micro-batch", type=int,
+                        help="--search: hold the sequences per GPU per pass at this (each "
+                             "layout's accumulation slices set to give it)")
+    parser.add_argument("--only", action="append", default=[], metavar="CHOICE=V1,V2",
+                        help="--search: only these values of a choice (data, stage, expert, "
+                             "context, stage_microbatches, virtual_stages, remat, dispatcher); "
+                             "repeatable, e.g. --only expert=8 --only remat=full,save_attention")
     args = parser.parse_args(argv)
     if args.target != "cpu" and args.device not in (None, args.target):
         parser.error(f"--device {args.device} with --target {args.target}: a GPU target is "
@@ -537,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _search(cfg, args, sizes: list[int]) -> int:
-    from jaxmoe.plan.search import print_search, search
+    from jaxmoe.plan.search import CHOICES, print_search, search
     devices = args.devices or (math.prod(sizes) if -1 not in sizes else None)
     if devices is None or devices < 1:
         print("error: --search needs --devices N (the config's mesh leaves an axis at -1)",
@@ -564,7 +571,27 @@ def _search(cfg, args, sizes: list[int]) -> int:
     if unknown:
         print(f"error: --axes: {unknown} are not mesh axes {list(AXES)}", file=sys.stderr)
         return 2
-    rows, refused = search(cfg, devices, args.target, args.budget_s, progress, axes=axes)
+    only = {}
+    for item in args.only:
+        key, _, values = item.partition("=")
+        key = key.strip()
+        if key not in CHOICES or not values.strip():
+            print(f"error: --only {item!r}: expected CHOICE=V1,V2 with CHOICE one of "
+                  f"{list(CHOICES)}", file=sys.stderr)
+            return 2
+        parts = [v.strip() for v in values.split(",") if v.strip()]
+        if key not in ("remat", "dispatcher"):
+            if not all(v.isdigit() and int(v) > 0 for v in parts):
+                print(f"error: --only {item!r}: {key} takes positive whole numbers",
+                      file=sys.stderr)
+                return 2
+            parts = [int(v) for v in parts]
+        only[key] = tuple(parts)
+    if args.micro_batch is not None and args.micro_batch < 1:
+        print(f"error: --micro-batch {args.micro_batch}: must be at least 1", file=sys.stderr)
+        return 2
+    rows, refused = search(cfg, devices, args.target, args.budget_s, progress, axes=axes,
+                           micro_batch=args.micro_batch, only=only)
     print_search(rows, refused)
     if args.json:
         with open(args.json, "w") as f:

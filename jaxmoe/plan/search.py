@@ -6,11 +6,17 @@ pipeline's micro-batches and virtual stages where there are stages, what each
 layer keeps for its backward (`train.remat`) and the expert dispatcher. A
 candidate the config's own checks refuse is dropped, with the first reason
 counted; one whose weights, gradients and optimizer state alone exceed the GPU's
-memory (`static_bytes`, from the parameter counts: no compile) is pruned. The
-survivors are compiled for the GPU without one (`jaxmoe.plan.planner`), cheapest
-static memory first, until the time budget is spent, and ranked by their expected
-step (`jaxmoe.plan.rates`) among those whose compiled peak fits. The winner is
-printed as the `--set` overrides that select it.
+memory (`static_bytes`, a lower bound from the parameter counts: no compile) is
+pruned. The survivors are compiled for the GPU without one
+(`jaxmoe.plan.planner`), cheapest static memory first, until the time budget is
+spent, and ranked by their expected step (`jaxmoe.plan.rates`) among those whose
+compiled peak fits. The winner is printed as the `--set` overrides that select it.
+
+`micro_batch` holds the sequences each GPU runs per pass (as a measured run it is
+set beside had them): each candidate's accumulation slices are then what gives
+that many, and one that cannot is refused. `only` narrows any choice to given
+values (the mesh axes by size, the pipeline's, remat and dispatcher by name), so
+that a search over hundreds of GPUs compiles the few layouts worth comparing.
 """
 
 from __future__ import annotations
@@ -34,19 +40,27 @@ class Candidate:
     virtual_stages: int
     remat: str
     dispatcher: str
+    accumulation_steps: int = 1
 
     def overrides(self) -> list[str]:
         return [f"mesh.data={self.data}", f"mesh.stage={self.stage}",
                 f"mesh.expert={self.expert}", f"mesh.context={self.context}",
                 f"pipeline.stage_microbatches={self.stage_microbatches}",
                 f"pipeline.virtual_stages={self.virtual_stages}", f"train.remat={self.remat}",
-                f"moe.dispatcher={self.dispatcher}"]
+                f"moe.dispatcher={self.dispatcher}",
+                f"train.accumulation_steps={self.accumulation_steps}"]
 
     def __str__(self) -> str:
         mesh = " x ".join(f"{a} {getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1)
         pipe = (f", {self.stage_microbatches} micro-batches x {self.virtual_stages} virtual"
                 if self.stage > 1 else "")
-        return f"{mesh or 'data 1'}{pipe}, remat {self.remat}, {self.dispatcher}"
+        slices = f", {self.accumulation_steps} slices" if self.accumulation_steps > 1 else ""
+        return f"{mesh or 'data 1'}{pipe}{slices}, remat {self.remat}, {self.dispatcher}"
+
+
+# what `only` may narrow, and the Candidate field each names
+CHOICES = ("data", "stage", "expert", "context", "stage_microbatches", "virtual_stages",
+           "remat", "dispatcher")
 
 
 @dataclass
@@ -77,13 +91,25 @@ def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
                remats: tuple[str, ...] = ("full", "none"),
                dispatchers: tuple[str, ...] | None = None,
                stage_microbatches: tuple[int, ...] = (1, 2, 4, 8),
-               virtual_stages: tuple[int, ...] = (1, 2, 4)
+               virtual_stages: tuple[int, ...] = (1, 2, 4),
+               micro_batch: int | None = None,
+               only: dict[str, tuple] | None = None,
                ) -> tuple[list[tuple[Candidate, Config]], Counter]:
     """Every layout of `cfg` on `devices` devices its checks accept (with its config),
     and how many were refused, by the first words of the reason. Mesh axes not in
-    `axes` stay 1."""
+    `axes` stay 1; `only` keeps the candidates whose fields (CHOICES) take one of the
+    given values; `micro_batch`: sequences per GPU per pass, held by each candidate's
+    accumulation slices (else the config's slices are kept)."""
+    only = only or {}
+    unknown = set(only) - set(CHOICES)
+    if unknown:
+        raise ValueError(f"only: {sorted(unknown)} are not layout choices {list(CHOICES)}")
     if dispatchers is None:
         dispatchers = ("alltoall", "ragged") if cfg.num_moe_layers else (cfg.moe.dispatcher,)
+    remats = tuple(only.get("remat", remats))
+    dispatchers = tuple(only.get("dispatcher", dispatchers))
+    stage_microbatches = tuple(only.get("stage_microbatches", stage_microbatches))
+    virtual_stages = tuple(only.get("virtual_stages", virtual_stages))
     out, refused = [], Counter()
     for sizes in _factorisations(devices, 4):
         data, stage, expert, context = sizes
@@ -94,8 +120,18 @@ def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
         for (micro, virtual), remat, dispatcher in itertools.product(pipes, remats, dispatchers):
             if expert == 1 and dispatcher != dispatchers[0]:
                 continue  # without an expert axis the dispatchers are one program
+            slices = cfg.train.accumulation_steps
+            if micro_batch:
+                per_slice = micro_batch * micro * (devices // (stage * context))
+                slices = cfg.train.batch_size // per_slice
+                if slices * per_slice != cfg.train.batch_size:
+                    refused["train.accumulation_steps"] += 1
+                    continue
             c = Candidate(data, stage, expert, context, micro, virtual, remat,
-                          dispatcher if expert > 1 else cfg.moe.dispatcher)
+                          dispatcher if expert > 1 else cfg.moe.dispatcher, slices)
+            if any(getattr(c, axis) not in only.get(axis, (getattr(c, axis),))
+                   for axis in MESH_AXES):
+                continue
             try:
                 out.append((c, override_config(cfg, c.overrides())))
             except ConfigError as e:
@@ -104,21 +140,30 @@ def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
 
 
 def static_bytes(cfg: Config) -> float:
-    """Per device, what the step holds whatever its activations: fp32 master weights,
-    bf16 working copy and gradients, Adam's two moments (sharded over the replicas
-    under ZeRO-1; the first in `optimizer.mu_dtype`). Dense weights are split over
-    stages, experts over stages and the expert axis."""
+    """Per device, what the step must hold whatever its activations: a lower bound of
+    its peak, so that pruning by it drops no layout that fits. Under ddp every
+    device holds its stage's (and expert group's) working copy and gradient in the
+    compute dtype; the fp32 master weights and Adam's two moments (the first in
+    `optimizer.mu_dtype`) are split over the replicas under ZeRO-1, whole on each
+    without it. Under fsdp all of it is split over the replicas. Dense weights are
+    split over stages, experts over stages and the expert axis."""
     counts, m, mesh = param_counts(cfg), cfg.model, cfg.mesh
     experts = (cfg.num_moe_layers * cfg.moe.num_experts * 3 * m.d_model * cfg.moe.expert_hidden)
     dense = counts.total - experts
     mu = 2 if cfg.optimizer.mu_dtype == "bfloat16" else 4
-    per_param = 4 + 2 + 4  # master, working copy, gradient
-    dense_replicas = mesh.data * mesh.expert * mesh.context
-    expert_replicas = mesh.data * mesh.context
-    moments = mu + 4
-    shard = (lambda replicas: replicas) if mesh.zero1 else (lambda replicas: 1)
-    return (dense / mesh.stage * (per_param + moments / shard(dense_replicas))
-            + experts / (mesh.stage * mesh.expert) * (per_param + moments / shard(expert_replicas)))
+    compute = 2 if m.compute_dtype == "bfloat16" else 4
+    held = 2 * compute  # working copy and gradient
+    split = 4 + mu + 4  # master weights, first and second moments
+    if compute == 4 and (mesh.parallelism == "fsdp" or not mesh.zero1):
+        split -= 4  # the fp32 weights are the working copy
+
+    def per_param(replicas: int) -> float:
+        if mesh.parallelism == "fsdp":
+            return (held + split) / replicas
+        return held + split / (replicas if mesh.zero1 else 1)
+
+    return (dense / mesh.stage * per_param(mesh.data * mesh.expert * mesh.context)
+            + experts / (mesh.stage * mesh.expert) * per_param(mesh.data * mesh.context))
 
 
 def evaluate(cfg: Config, target: str) -> dict:
