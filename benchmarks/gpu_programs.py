@@ -132,7 +132,8 @@ def anchor_row(f: dict) -> str:
         bound = f["bound_tflops_by_count"][a.count]
     parts = ", ".join(f"{k} {v:.2f} s" for k, v in f["expected_parts_s"].items())
     fits = "" if f["fits"] else f" (does not fit: {f['peak_gb']:.0f} GB)"
-    count = f" ({a.count}'s count)" if a.unit == "TFLOP/s" else ""
+    names = {"palm": "PaLM's", "megatron": "Megatron's", "maxtext": "MaxText's"}
+    count = f" ({names[a.count]} count)" if a.unit == "TFLOP/s" else ""
     return (f"| {a.who}, {a.gpus} {a.target.upper()} | {a.measured:,.0f} {a.unit}{count} "
             f"| {expected:,.0f}{fits} | {bound:,.0f} | {expected / a.measured:.2f}x "
             f"| {f['expected_step_s']:.2f} s: {parts} |")

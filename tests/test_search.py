@@ -68,15 +68,45 @@ def test_only_narrows_each_choice():
     every, _ = S.candidates(cfg, 8, axes=("data", "expert"))
     assert {c.expert for c, _ in every} == {1, 2, 4, 8}
     assert {c.remat for c, _ in every} == {"full", "none"}
+    # the pipeline's lists where there are stages (stage 1 runs one micro-batch)
+    piped, _ = S.candidates(cfg, 8, axes=("data", "stage"), only={
+        "stage": (2,), "stage_microbatches": (4,), "virtual_stages": (2,), "remat": ("full",)})
+    assert [(c.data, c.stage, c.stage_microbatches, c.virtual_stages) for c, _ in piped] == [
+        (4, 2, 4, 2)]
     with pytest.raises(ValueError, match="not layout choices"):
         S.candidates(cfg, 8, only={"experts": (8,)})
+
+
+@pytest.mark.parametrize("only, why", [
+    ("stage=2", "stage is not among --axes"),
+    ("expert=,", "no values"),
+    ("expert=two", "positive whole numbers"),
+    ("experts=8", "expected CHOICE=V1,V2"),
+])
+def test_the_planner_refuses_choices_it_cannot_search(tmp_path, capsys, only, why):
+    """--only naming a mesh axis the search does not lay out, no values, a size that is
+    not a number, or no choice at all: exit 2 with one line, nothing compiled.
+    Companion: a valid --only reaches the search, which says when no layout takes it
+    (sizes that do not divide the devices)."""
+    import yaml
+
+    from jaxmoe.plan.planner import main
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(RAW))
+    args = ["--config", str(path), "--target", "b300", "--search", "--devices", "8",
+            "--axes", "data,expert"]
+    assert main(args + ["--only", only]) == 2
+    assert why in capsys.readouterr().err
+    assert main(args + ["--only", "expert=3"]) == 1
+    assert "no layout takes these choices" in capsys.readouterr().out
 
 
 def test_static_bytes_by_hand():
     """The bf16 working copy and gradient (4 bytes) per parameter on its device; the fp32
     master weights and Adam's moments (12) over the replicas that share it under ZeRO-1,
-    whole without it; under fsdp all 16 over the replicas. The search's compiles check
-    that it stays below each compiled peak (test_search_finds_what_brute_force_finds)."""
+    whole without it; under fsdp all 16 over data; an MTP module's experts split as the
+    layers' are. The search's compiles check that it stays below each compiled peak
+    (test_the_search_finds_what_brute_force_finds)."""
     from jaxmoe.config import param_counts
     cfg = config_from_dict({**RAW, "mesh": {"data": 2, "expert": 4}})
     experts = 4 * 8 * 3 * 64 * 64
@@ -85,7 +115,14 @@ def test_static_bytes_by_hand():
     whole = config_from_dict({**RAW, "mesh": {"data": 2, "expert": 4, "zero1": False}})
     assert S.static_bytes(whole) == pytest.approx(dense * 16 + experts / 4 * 16)
     fsdp = config_from_dict({**RAW, "mesh": {"data": 2, "expert": 4, "parallelism": "fsdp"}})
-    assert S.static_bytes(fsdp) == pytest.approx(dense * 16 / 8 + experts / 4 * 16 / 2)
+    assert S.static_bytes(fsdp) == pytest.approx(dense * 16 / 2 + experts / 4 * 16 / 2)
+    # an MTP module's routed experts are split over the expert axis as the layers' are
+    mtp = config_from_dict({**RAW, "model": {**RAW["model"], "mtp_layers": 1},
+                            "mesh": {"data": 2, "expert": 4}})
+    added = param_counts(mtp).total - param_counts(cfg).total
+    module_experts = 8 * 3 * 64 * 64
+    assert S.static_bytes(mtp) - S.static_bytes(cfg) == pytest.approx(
+        (added - module_experts) * (4 + 12 / 8) + module_experts / 4 * (4 + 12 / 2))
 
 
 def _fake_evaluate(figures):

@@ -69,11 +69,13 @@ def anchor_for(config_name: str) -> Anchor | None:
 
 def micro_batch(cfg) -> float:
     """Sequences each GPU runs through one forward and backward pass: the global
-    batch over accumulation slices, pipeline micro-batches and the devices a
-    pipeline stage's batch is split over."""
+    batch over accumulation slices, pipeline micro-batches and the data x expert
+    devices that split it (a context split shares each sequence among its GPUs)."""
     t, m = cfg.train, cfg.mesh
+    if -1 in (m.data, m.expert):
+        raise ValueError("micro_batch needs the mesh's sizes: mesh.data or mesh.expert is -1")
     per_pass = t.batch_size / max(t.accumulation_steps, 1) / cfg.pipeline.stage_microbatches
-    return per_pass / (m.devices // (m.stage * m.context))
+    return per_pass / (m.data * m.expert)
 
 
 def differences(cfg, anchor: Anchor) -> list[str]:

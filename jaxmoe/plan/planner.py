@@ -586,6 +586,13 @@ def _search(cfg, args, sizes: list[int]) -> int:
                       file=sys.stderr)
                 return 2
             parts = [int(v) for v in parts]
+        if not parts:
+            print(f"error: --only {item!r}: no values", file=sys.stderr)
+            return 2
+        if key in AXES and key not in axes:
+            print(f"error: --only {item!r}: {key} is not among --axes {','.join(axes)}",
+                  file=sys.stderr)
+            return 2
         only[key] = tuple(parts)
     if args.micro_batch is not None and args.micro_batch < 1:
         print(f"error: --micro-batch {args.micro_batch}: must be at least 1", file=sys.stderr)

@@ -97,9 +97,11 @@ def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
                ) -> tuple[list[tuple[Candidate, Config]], Counter]:
     """Every layout of `cfg` on `devices` devices its checks accept (with its config),
     and how many were refused, by the first words of the reason. Mesh axes not in
-    `axes` stay 1; `only` keeps the candidates whose fields (CHOICES) take one of the
-    given values; `micro_batch`: sequences per GPU per pass, held by each candidate's
-    accumulation slices (else the config's slices are kept)."""
+    `axes` stay 1; `only` keeps the meshes whose axes take one of the sizes given, and
+    replaces the lists of remat policies, dispatchers (where there is an expert axis)
+    and pipeline micro-batches and virtual stages (where there are stages);
+    `micro_batch`: sequences per GPU per pass, held by each candidate's accumulation
+    slices (else the config's slices are kept)."""
     only = only or {}
     unknown = set(only) - set(CHOICES)
     if unknown:
@@ -113,8 +115,10 @@ def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
     out, refused = [], Counter()
     for sizes in _factorisations(devices, 4):
         data, stage, expert, context = sizes
-        if any(n > 1 and a not in axes for a, n in zip(("data", "stage", "expert", "context"),
-                                                        sizes)):
+        named = dict(zip(("data", "stage", "expert", "context"), sizes))
+        if any(n > 1 and a not in axes for a, n in named.items()):
+            continue
+        if any(n not in only.get(a, (n,)) for a, n in named.items()):
             continue
         pipes = itertools.product(stage_microbatches, virtual_stages) if stage > 1 else [(1, 1)]
         for (micro, virtual), remat, dispatcher in itertools.product(pipes, remats, dispatchers):
@@ -129,9 +133,6 @@ def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
                     continue
             c = Candidate(data, stage, expert, context, micro, virtual, remat,
                           dispatcher if expert > 1 else cfg.moe.dispatcher, slices)
-            if any(getattr(c, axis) not in only.get(axis, (getattr(c, axis),))
-                   for axis in MESH_AXES):
-                continue
             try:
                 out.append((c, override_config(cfg, c.overrides())))
             except ConfigError as e:
@@ -142,13 +143,15 @@ def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
 def static_bytes(cfg: Config) -> float:
     """Per device, what the step must hold whatever its activations: a lower bound of
     its peak, so that pruning by it drops no layout that fits. Under ddp every
-    device holds its stage's (and expert group's) working copy and gradient in the
-    compute dtype; the fp32 master weights and Adam's two moments (the first in
-    `optimizer.mu_dtype`) are split over the replicas under ZeRO-1, whole on each
-    without it. Under fsdp all of it is split over the replicas. Dense weights are
-    split over stages, experts over stages and the expert axis."""
+    device holds its working copy and gradient in the compute dtype; the fp32 master
+    weights and Adam's two moments (the first in `optimizer.mu_dtype`) are split over
+    the replicas under ZeRO-1, whole on each without it. Under fsdp all of it is
+    split over `data`. Routed experts (the MTP modules' too) are split over the expert
+    axis; everything is counted as if split over the stages, which only the MoE stack
+    is (the embedding, head, dense layers and MTP modules are on every stage)."""
     counts, m, mesh = param_counts(cfg), cfg.model, cfg.mesh
-    experts = (cfg.num_moe_layers * cfg.moe.num_experts * 3 * m.d_model * cfg.moe.expert_hidden)
+    moe_layers = cfg.num_moe_layers + (m.mtp_layers if cfg.num_moe_layers else 0)
+    experts = moe_layers * cfg.moe.num_experts * 3 * m.d_model * cfg.moe.expert_hidden
     dense = counts.total - experts
     mu = 2 if cfg.optimizer.mu_dtype == "bfloat16" else 4
     compute = 2 if m.compute_dtype == "bfloat16" else 4
@@ -159,7 +162,7 @@ def static_bytes(cfg: Config) -> float:
 
     def per_param(replicas: int) -> float:
         if mesh.parallelism == "fsdp":
-            return (held + split) / replicas
+            return (held + split) / mesh.data
         return held + split / (replicas if mesh.zero1 else 1)
 
     return (dense / mesh.stage * per_param(mesh.data * mesh.expert * mesh.context)
@@ -223,6 +226,11 @@ def search(cfg: Config, devices: int, target: str, budget_s: float = 600.0,
 
 
 def print_search(rows: list[Row], refused: Counter, top: int = 12) -> None:
+    if not rows:
+        reasons = ", ".join(f"{n} by {why}" for why, n in refused.most_common(4))
+        print("no layout takes these choices" + (f" ({reasons} refused)" if reasons else "")
+              + ": check --axes, --only and --micro-batch against the devices and the batch")
+        return
     gb = lambda b: "-" if b is None else f"{b / 1e9:,.1f} GB"  # noqa: E731
     compiled = [r for r in rows if r.expected_step_s is not None]
     reasons = ", ".join(f"{n} by {why}" for why, n in refused.most_common(4))
