@@ -581,11 +581,12 @@ def check_roofline(toy: bool) -> Result:
     measured = (time.perf_counter() - start) / timed
     n, link = jax.device_count(), Link.of(TARGETS[names[0]])
     tokens = cfg.train.batch_size * cfg.train.seq_len
-    bound = roofline(program, link).step_s
+    walk = roofline(program, link)
+    bound = walk.step_s
     predicted = summary(roofline(program, Link.of(TARGETS[names[0]], expected=True)),
                         flops_per_token(cfg) * tokens / n, tokens / n, link)
     problems = [f"synchronous exchange {name}" for name, asynchronous, _ in
-                row_exchanges(program, roofline(program, link)) if not asynchronous]
+                row_exchanges(program, walk) if not asynchronous]
     mx = override_config(cfg, ["moe.expert_precision=mxfp8"])
     weights = [q for q in quantisations(Program(compile_train_step(mx)[0].as_text()))
                if "working_copy" in q[2]]

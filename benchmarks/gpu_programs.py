@@ -49,9 +49,10 @@ PROGRAMS = {
     "small_h100": ("configs/gpu1_small.yaml", "h100", []),
 }
 try:  # the measured runs' configs, each on its own GPU (a checkout without them has none)
-    from jaxmoe.plan.anchors import ANCHORS
+    from jaxmoe.config import FLOP_COUNTS
+    from jaxmoe.plan.anchors import ANCHORS, anchor_for
 except ImportError:
-    ANCHORS = ()
+    FLOP_COUNTS, ANCHORS, anchor_for = (), (), lambda name: None
 PROGRAMS.update({a.config: (f"configs/{a.config}.yaml", a.target, []) for a in ANCHORS})
 
 
@@ -117,14 +118,14 @@ def expected_row(f: dict) -> str:
     return (f"| {f['program']} | {f['expected_step_s']:.3f} s ({f['step_s']:.3f} s) "
             f"| {f['expected_tokens_per_s_per_device']:,.0f} "
             f"({f['tokens_per_s_per_device']:,.0f}) "
-            + " ".join(f"| {e[k]:,.0f} ({b[k]:,.0f})" for k in ("palm", "megatron", "maxtext"))
+            + " ".join(f"| {e[k]:,.0f} ({b[k]:,.0f})" for k in FLOP_COUNTS)
             + f" | {parts} |")
 
 
 def anchor_row(f: dict) -> str:
     """The anchor's measured figure beside jaxmoe's expected one and the bound, in its unit
     and count, with the expected step's three largest parts."""
-    a = next(a for a in ANCHORS if a.config == f["program"])
+    a = anchor_for(f["program"])
     if a.unit == "tokens/s":
         expected, bound = f["expected_tokens_per_s_per_device"], f["tokens_per_s_per_device"]
     else:
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
           "PaLM's count | Megatron's | MaxText's | expected step's parts |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(expected))
-    anchored = [f for f in figures_seen if any(a.config == f["program"] for a in ANCHORS)]
+    anchored = [f for f in figures_seen if anchor_for(f["program"])]
     if anchored:
         print()
         print("| anchor | measured per GPU | jaxmoe expected, same count | bound | expected / "

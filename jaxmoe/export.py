@@ -38,6 +38,7 @@ from jaxmoe import checkpoint, hf
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config
 from jaxmoe.data.tokenizer import TokenizerError, check_vocab, load_tokenizer, run_tokenizer
+from jaxmoe.run_lock import alive
 
 _RENAME = {"embed": "embedding", "head": "lm_head", "final_norm.scale": "final_norm"}
 
@@ -73,7 +74,8 @@ def written_whole(out: str | Path):
     killed export leaves is a hidden `.OUT.partial-PID`, removed by the next export."""
     out = Path(out).absolute()
     for left in out.parent.glob(f".{out.name}.partial-*"):  # of a killed export
-        if not _alive(left.name.rsplit("-", 1)[-1]):
+        pid = left.name.rsplit("-", 1)[-1]
+        if not (pid.isdigit() and alive(int(pid))):
             _remove(left)
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     _remove(partial)
@@ -96,16 +98,6 @@ def written_whole(out: str | Path):
         _remove(previous)
     else:
         partial.rename(out)
-
-
-def _alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove(path: Path) -> None:
@@ -149,8 +141,7 @@ def export_hf(checkpoint_path: str | Path, out: str | Path, dtype: str = "float3
         check_vocab(tokenizer, saved.model.vocab_size)
     params = jax.tree.map(np.asarray, weights.to_pure_dict())  # host arrays, not copies
     del weights
-    if Path(out).exists() and not Path(out).is_dir():
-        raise hf.HFError(f"--out {out} is a file; give a directory")
+    hf.check_out_dir(out)
     with written_whole(out) as partial:
         return hf.save_hf(params, cfg, partial, dtype=dtype, tokenizer=tokenizer,
                           shard_bytes=shard_bytes)

@@ -588,6 +588,14 @@ def _shapes_only(tree):
                                                   np.shape(a)), tree)
 
 
+def check_out_dir(out: str | Path) -> Path:
+    """`out` as a Path, or HFError where it is a file (an export is a directory)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise HFError(f"--out {out} is a file; give a directory")
+    return out
+
+
 def save_hf(params: dict, cfg: Config, out: str | Path, *, dtype: str = "float32",
             tokenizer=None, shard_bytes: int = 2 << 30) -> dict:
     """Writes a Hugging Face checkpoint directory; returns its config.json. The host
@@ -599,9 +607,7 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, dtype: str = "float32
         fp32 = family in SIGMOID and name.endswith(("mlp.gate.weight", "e_score_correction_bias"))
         return np.dtype("<f4") if fp32 else wanted
 
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise HFError(f"--out {out} is a file; give a directory")
+    out = check_out_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("model*.safetensors"), out / INDEX]:  # a leftover would be read
         stale.unlink(missing_ok=True)

@@ -36,7 +36,8 @@ class RunDirectoryInUse(RuntimeError):
     """Another training holds the run directory; the message names it."""
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -53,7 +54,6 @@ class RunLock:
         self.path = Path(run_dir) / NAME
         self.token = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
         self._stop = threading.Event()
-        self._beat: threading.Thread | None = None
 
     def holder(self) -> dict | None:
         """What the lock file says of its holder (None: no lock, or unreadable)."""
@@ -70,19 +70,19 @@ class RunLock:
             return "gone"
         if holder is None:  # being written this instant, or damaged: wait out a beat
             return f"unreadable and untouched for {age:.0f} s" if age > STALE_S else None
-        if holder.get("host") == socket.gethostname() and not _alive(int(holder["pid"])):
+        if holder.get("host") == socket.gethostname() and not alive(int(holder["pid"])):
             return f"process {holder['pid']} on this host is not running"
         if age > STALE_S:
             return f"untouched for {age:.0f} s (its holder touches it every {BEAT_S:.0f} s)"
         return None
 
-    def acquire(self, command: str | None = None) -> None:
+    def acquire(self) -> None:
         """Takes the lock, or raises RunDirectoryInUse naming the training that holds it;
         a stale lock is taken over, with a line on stderr."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         record = {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
                   "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  "command": command or " ".join(sys.argv)}
+                  "command": " ".join(sys.argv)}
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -103,8 +103,7 @@ class RunLock:
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump(record, f)
-            self._beat = threading.Thread(target=self._touch, name="run-lock", daemon=True)
-            self._beat.start()
+            threading.Thread(target=self._touch, name="run-lock", daemon=True).start()
             return
         raise RunDirectoryInUse(f"could not take the lock {self.path}: another training "
                                 "took it first")
@@ -132,10 +131,3 @@ class RunLock:
         holder = self.holder()
         if holder is not None and holder.get("token") == self.token:
             self.path.unlink(missing_ok=True)
-
-    def __enter__(self) -> RunLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()

@@ -139,12 +139,15 @@ def check_writable(run_dir: Path, need: int) -> None:
             # a resume refused later leaves the directory as it found it
             os.utime(directory, ns=(times.st_atime_ns, times.st_mtime_ns))
         except OSError as e:
-            raise CheckpointError(f"train.run_dir: {directory} cannot be written "
-                                  f"({e.strerror or e})") from None
+            raise _unwritable(directory, e) from None
     free = shutil.disk_usage(next(d for d in reversed(where) if d.exists())).free
     if free < need:
         raise CheckpointError(f"train.run_dir: {run_dir} has {free / 1e9:.2f} GB free; a "
                               f"checkpoint of this run takes {need / 1e9:.2f} GB")
+
+
+def _unwritable(directory: Path, e: OSError) -> CheckpointError:
+    return CheckpointError(f"train.run_dir: {directory} cannot be written ({e.strerror or e})")
 
 
 def take_run_dir(steps) -> RunLock | None:
@@ -161,8 +164,7 @@ def take_run_dir(steps) -> RunLock | None:
             lock.acquire()
             distributed.on_stop(lock.release)  # a lost peer ends this process past `finally`
         except OSError as e:
-            refused = CheckpointError(f"train.run_dir: {run_dir} cannot be written "
-                                      f"({e.strerror or e})")
+            refused = _unwritable(run_dir, e)
         except (CheckpointError, RunDirectoryInUse) as e:
             refused = e
     if distributed.any_process(refused is not None):

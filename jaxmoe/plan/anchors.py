@@ -81,10 +81,10 @@ def micro_batch(cfg) -> float:
 def differences(cfg, anchor: Anchor) -> list[str]:
     """What in `cfg` is not `anchor`'s run: empty for its config."""
     t = cfg.train
-    have = {"GPUs": cfg.mesh.devices, "sequences a step": t.batch_size,
-            "sequence length": t.seq_len, "sequences per GPU per pass": micro_batch(cfg),
-            "expert precision": cfg.moe.expert_precision}
-    want = {"GPUs": anchor.gpus, "sequences a step": anchor.sequences,
-            "sequence length": anchor.seq_len, "sequences per GPU per pass": anchor.micro_batch,
-            "expert precision": anchor.expert_precision}
-    return [f"{k}: {have[k]} where {anchor.who} ran {want[k]}" for k in want if have[k] != want[k]]
+    pairs = [("GPUs", cfg.mesh.devices, anchor.gpus),
+             ("sequences a step", t.batch_size, anchor.sequences),
+             ("sequence length", t.seq_len, anchor.seq_len),
+             ("sequences per GPU per pass", micro_batch(cfg), anchor.micro_batch),
+             ("expert precision", cfg.moe.expert_precision, anchor.expert_precision)]
+    return [f"{name}: {have} where {anchor.who} ran {want}" for name, have, want in pairs
+            if have != want]

@@ -33,7 +33,7 @@ import tempfile
 
 from jaxmoe.fake_devices import cpu_devices_env
 from jaxmoe.plan.targets import EXTRA, TARGETS, gpu_compiler_available
-from jaxmoe.config import MESH_AXES as AXES
+from jaxmoe.config import FLOP_COUNTS, MESH_AXES as AXES
 
 # expert GEMM work relative to forward: the backward pass does two GEMMs per forward one
 _PASS_WEIGHT = {"forward": 1, "backward": 2, "recompute": 1}
@@ -217,13 +217,12 @@ def throughput_bound(cfg, model_flops: float, flops_by_scope: dict, moved: dict,
 def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: float) -> dict:
     import jax
 
-    from jaxmoe.config import FLOP_COUNTS, flops_per_token, load_config, param_counts
+    from jaxmoe.config import flops_per_token, load_config, param_counts
     from jaxmoe.plan.hlo import Program
     from jaxmoe.plan.collectives import collectives, totals
     from jaxmoe.parallel.pipeline import bubble_fraction
     from jaxmoe.plan.program_flops import program_flops
-    from jaxmoe.plan.rates import rates_for
-    from jaxmoe.plan.roofline import Link, roofline, summary
+    from jaxmoe.plan.roofline import Link, hosts, roofline, summary
     from jaxmoe.step import uses_per_device_step
 
     cfg = load_config(config_path, overrides)
@@ -273,17 +272,16 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
                              kernels["native_mxfp8"])
     roof = expected = None
     if target != "cpu":  # XLA:CPU's program is not the one a GPU would run
-        host = [d.process_index for d in mesh.devices.flat]
-        host = host if len(set(host)) > 1 else None
-        link = Link.of(datasheet)
+        host = hosts(mesh)
+        link, measured = Link.of(datasheet), Link.of(datasheet, expected=True)
         roof = summary(roofline(program, link, host), model_flops, tokens / n, link)
-        expected = summary(roofline(program, Link.of(datasheet, expected=True), host),
-                           model_flops, tokens / n, link)
-        expected["rates"] = rates_for(datasheet.compute_capability).generation
-        for walk in (roof, expected):  # model FLOP/s as each anchor counts them
-            walk["model_tflops_by_count"] = {
-                k: flops_per_token(cfg, k) * tokens / n / walk["step_s"] / 1e12
-                for k in FLOP_COUNTS}
+        expected = summary(roofline(program, measured, host), model_flops, tokens / n, link)
+        expected["rates"] = measured.rates.generation
+        # model FLOP/s as each anchor counts them
+        by_count = {k: flops_per_token(cfg, k) * tokens / n for k in FLOP_COUNTS}
+        for walk in (roof, expected):
+            walk["model_tflops_by_count"] = {k: f / walk["step_s"] / 1e12
+                                             for k, f in by_count.items()}
     compute_s = model_flops / (datasheet.peak("bf16") * mfu)
     comm_s = bound["scale_up_s"] + bound["scale_out_s"]  # the links one after the other
     return {
@@ -483,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the plan to this file")
     parser.add_argument("--reference-tflops", type=float,
                         help="a measured model TFLOP/s per GPU to print beside the bound")
-    parser.add_argument("--reference-count", choices=["palm", "megatron", "maxtext"],
+    parser.add_argument("--reference-count", choices=FLOP_COUNTS,
                         default="palm", help="how the reference counts model FLOPs: "
                         "jaxmoe's figures beside it are printed in the same count")
     parser.add_argument("--search", action="store_true",

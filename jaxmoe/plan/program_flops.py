@@ -194,39 +194,39 @@ def attention_backward(inst: Instruction) -> bool:
     return "Backward" in inst.target
 
 
-def rows_per_group(inst: Instruction, program: Program) -> float:
-    """A grouped GEMM's rows per group at balanced routing: `routed_share` x C / E."""
-    out = arrays(inst.type_text)[0][1]
-    operands = [dims for o in inst.operands for dt, dims in arrays(program.type_of(o))
-                if dt.startswith(("f", "bf"))]
-    if len(out) == 2:
-        weight = next((d for d in operands if len(d) == 3), None)
-        C, E = out[0], weight[0] if weight else 1
-    else:
-        E, a, _ = out
-        C = math.prod(operands[0]) // a
-    return program.routed_share * C / E
-
-
-def _grouped_flops(inst: Instruction, program: Program) -> float:
-    """Forward and input gradient: [C, i] x [E, i, o] -> [C, o] (the weight in either
-    layout: i is what remains of it); weight gradient: [C, a] and [C, b] (or
-    transposed) -> [E, a, b], C contracted."""
+def _grouped_dims(inst: Instruction, program: Program) -> tuple[int, int, int] | None:
+    """(C, E, FLOPs per row and expert) of a grouped GEMM. Forward and input gradient:
+    [C, i] x [E, i, o] -> [C, o] (the weight in either layout: i is what remains of
+    it); weight gradient: [C, a] and [C, b] (or transposed) -> [E, a, b], C contracted.
+    None where the shapes are not one of these."""
     out = arrays(inst.type_text)
     operands = [dims for o in inst.operands for dt, dims in arrays(program.type_of(o))
                 if dt.startswith(("f", "bf"))]
     if not out or not operands:
-        return 0.0
+        return None
     out = out[0][1]
     if len(out) == 2:
         weight = next((d for d in operands if len(d) == 3), None)
         if weight is None:
-            return 0.0
-        C, o = out
-        E, per_row = weight[0], 2 * math.prod(weight[1:])  # 2 i o
-    else:
-        E, a, b = out
-        C, per_row = math.prod(operands[0]) // a, 2 * a * b
+            return None
+        return out[0], weight[0], 2 * math.prod(weight[1:])  # 2 i o
+    E, a, b = out
+    return math.prod(operands[0]) // a, E, 2 * a * b
+
+
+def rows_per_group(inst: Instruction, program: Program) -> float:
+    """A grouped GEMM's rows per group at balanced routing: `routed_share` x C / E."""
+    C, E, _ = _grouped_dims(inst, program) or (0, 1, 0)
+    return program.routed_share * C / E
+
+
+def _grouped_flops(inst: Instruction, program: Program) -> float:
+    """Its rows in whole tiles of the kernel, per expert at balanced routing, at most
+    C, times each row's FLOPs."""
+    dims = _grouped_dims(inst, program)
+    if dims is None:
+        return 0.0
+    C, E, per_row = dims
     tile = _row_tile(inst)
     return min(C, E * math.ceil(program.routed_share * C / E / tile) * tile) * per_row
 

@@ -304,6 +304,13 @@ class _Stream:
         self.pending: dict[str, tuple[str, float, float]] = {}  # start -> (op, finish, clock)
 
 
+def hosts(mesh) -> list[int] | None:
+    """The host of each device in the program's order, as `roofline` takes it (None: the
+    mesh is on one host)."""
+    host = [d.process_index for d in mesh.devices.flat]
+    return host if len(set(host)) > 1 else None
+
+
 def roofline(program: Program | str, link: Link, host: list[int] | None = None) -> Roofline:
     """The predicted step of `program` on a device with `link`'s figures; `host`: each
     device's host, in the program's device order (None: one host)."""

@@ -126,7 +126,7 @@ def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
                 continue  # without an expert axis the dispatchers are one program
             slices = cfg.train.accumulation_steps
             if micro_batch:
-                per_slice = micro_batch * micro * (devices // (stage * context))
+                per_slice = micro_batch * micro * data * expert  # the GPUs that split a pass
                 slices = cfg.train.batch_size // per_slice
                 if slices * per_slice != cfg.train.batch_size:
                     refused["train.accumulation_steps"] += 1
@@ -173,15 +173,13 @@ def evaluate(cfg: Config, target: str) -> dict:
     """One candidate compiled for `target`: its peak, expected and bound step."""
     from jaxmoe.plan.hlo import Program
     from jaxmoe.plan.planner import compile_train_step, peak_bytes, routed_share
-    from jaxmoe.plan.roofline import Link, roofline
+    from jaxmoe.plan.roofline import Link, hosts, roofline
     from jaxmoe.plan.targets import get_target
 
     compiled, steps, _ = compile_train_step(cfg, target)
     program = Program(compiled.as_text())
     program.routed_share = routed_share(cfg)
-    host = [d.process_index for d in steps.mesh.devices.flat]
-    host = host if len(set(host)) > 1 else None
-    gpu = get_target(target)
+    host, gpu = hosts(steps.mesh), get_target(target)
     expected = roofline(program, Link.of(gpu, expected=True), host).step_s
     return {"peak": peak_bytes(compiled.memory_analysis()), "expected": expected,
             "bound": roofline(program, Link.of(gpu), host).step_s}
