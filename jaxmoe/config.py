@@ -25,22 +25,27 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 256
-    d_model: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    """The transformer: sizes, attention (grouped-query or MLA), RoPE and YaRN,
+    multi-token prediction."""
+    vocab_size: int = 256  # token ids the embedding and LM head hold (>= the tokenizer's)
+    d_model: int = 128  # the residual stream's width
+    num_layers: int = 4  # transformer layers, dense and MoE
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # key and value heads (grouped-query attention; num_heads divides by it)
     head_dim: int = 0  # 0: d_model // num_heads
     mlp_hidden: int = 512  # hidden width of the dense (non-MoE) MLP layers
     num_dense_layers: int = 0  # the first N layers use a dense MLP instead of MoE
     # RMSNorm of queries and keys before RoPE: per head over head_dim (Qwen3, dots1),
     # over the whole projection, all heads at once (OLMoE), or none (Mixtral)
     qk_norm: Literal["none", "head", "full"] = "head"
-    rope_theta: float = 10_000.0
+    rope_theta: float = 10_000.0  # RoPE's base wavelength
     # share of each head's dimensions RoPE rotates (the first ones; GLM-4.5 rotates half)
     rope_fraction: float = 1.0
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # RMSNorm's epsilon
+    # standard deviation of the initial weights, a normal truncated at 3 sigma (output
+    # projections: divided by sqrt(2 num_layers))
     init_std: float = 0.02
+    # dtype of activations and the GEMMs' operands; parameters and the optimizer stay fp32
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     # 0: jax.nn.dot_product_attention (cuDNN's fused kernel on GPU, the whole L x L
     # score matrix elsewhere); N: blocks of N queries x N keys with an online
@@ -54,21 +59,24 @@ class ModelConfig:
     # qk_rope_head_dim with it (the key's rotated part shared by all heads), its
     # value v_head_dim; num_kv_heads equals num_heads, head_dim and qk_norm unused
     attention: Literal["gqa", "mla"] = "gqa"
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
+    q_lora_rank: int = 0  # mla: the query's bottleneck; 0: one full query projection
+    kv_lora_rank: int = 0  # mla: the latent each token's keys and values expand from
+    qk_nope_head_dim: int = 0  # mla: a head's query and key dimensions without RoPE
+    qk_rope_head_dim: int = 0  # mla: and with RoPE (the key's rotated part shared by all heads)
+    v_head_dim: int = 0  # mla: a head's value size
     # RoPE rotates a head's dimension pairs (i, i + R/2) (Llama's rotate-half) or, as
     # DeepSeek's checkpoints lay them out, (2i, 2i + 1) (transformers' rope_interleave)
     rope_interleave: bool = False
     # YaRN context extension of RoPE (transformers' rope_parameters of type yarn);
     # yarn_factor 0: plain RoPE
     yarn_factor: float = 0.0
-    yarn_original_max_positions: int = 0
+    yarn_original_max_positions: int = 0  # the context length RoPE was trained at
+    # YaRN: dimensions turning more often than this over the original length keep their
+    # frequency
     yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 1.0
+    yarn_beta_slow: float = 1.0  # YaRN: dimensions turning fewer times than this, fully interpolated
+    yarn_mscale: float = 1.0  # YaRN's cos/sin scale term
+    # DeepSeek's softmax-scale term (and the cos/sin scale's divisor)
     yarn_mscale_all_dim: float = 0.0
     # DeepSeek-V3's multi-token prediction (jaxmoe/model/mtp.py): N modules after the
     # last layer, the k-th predicting the token k + 1 ahead; trained with
@@ -99,21 +107,25 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    num_experts: int = 8
-    top_k: int = 2
-    expert_hidden: int = 256
+    """The MoE layers: router, experts, dispatch, capacity, balancing, expert precision."""
+    num_experts: int = 8  # routed experts per MoE layer
+    top_k: int = 2  # experts each token is sent to
+    expert_hidden: int = 256  # each expert's SwiGLU hidden width
     shared_expert_hidden: int = 0  # 0: no shared expert
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    score_func: Literal["softmax", "sigmoid"] = "softmax"  # the router's expert scores, in fp32
     renormalize: bool = True  # rescale the top-k gates to sum to one
     gate_scale: float = 1.0  # then multiply them by this (dots1's routed_scaling_factor)
     # group-limited routing (DeepSeek-V3, GLM-4.5): the experts in routing_groups
     # contiguous groups; each token keeps the groups_per_token groups whose two best
     # selection scores sum highest, and picks its top_k among their experts
     routing_groups: int = 1
-    groups_per_token: int = 1
+    groups_per_token: int = 1  # the groups each token picks its experts from
     expert_bias: bool = False  # selection-only per-expert bias (aux-loss-free balancing)
     bias_update_rate: float = 1e-3  # bias += rate * sign(mean load - load) after each step
     router_jitter: float = 0.0  # multiplicative input noise in training, e.g. 0.01
+    # how routed tokens reach their experts (jaxmoe.model.dispatch, jaxmoe.parallel.ep_dispatch):
+    # dense (every expert on every token: the reference), grouped (one device), or over
+    # mesh.expert: alltoall, allgather, ragged (lax.ragged_all_to_all; for GPUs)
     dispatcher: Literal["dense", "grouped", "alltoall", "allgather", "ragged"] = "grouped"
     # rows of each expert's buffer = factor x its uniform share T * K / E, over a
     # device's T tokens (grouped, alltoall) or its expert group's (ragged, allgather);
@@ -129,11 +141,11 @@ class MoEConfig:
     # mxfp8 block scale: "ceil" 2^ceil(log2(amax / 448)), never saturating (cuBLAS's and
     # Transformer Engine's RCEIL), or "floor" 2^(floor(log2 amax) - 8), the OCP MX spec's
     mxfp8_scale: Literal["ceil", "floor"] = "ceil"
-    balance_loss_weight: float = 0.01
+    balance_loss_weight: float = 0.01  # the Switch load-balancing loss's weight; 0: off
     # tokens over which the Switch loss's f and P are taken: each device's
     # micro-batch, each sequence, or the whole (micro)batch across data-parallel ranks
     balance_scope: Literal["microbatch", "sequence", "global"] = "microbatch"
-    z_loss_weight: float = 0.001
+    z_loss_weight: float = 0.001  # the router z-loss's weight (mean squared logsumexp)
 
 
 # the device mesh's axes, outermost first (`jaxmoe.sharding` says what each holds)
@@ -142,13 +154,16 @@ MESH_AXES = ("data", "stage", "context", "expert")
 
 @dataclass(frozen=True)
 class MeshConfig:
+    """The device mesh and how the state is placed on it (`jaxmoe.sharding`)."""
     data: int = -1  # -1: all devices left over
-    expert: int = 1
-    stage: int = 1
+    expert: int = 1  # devices the experts are split over (expert parallelism)
+    stage: int = 1  # pipeline stages the MoE layers are split over
     # devices each sequence is split over (long context): every device holds a
     # contiguous chunk of seq_len / context positions of its rows; attention gathers
     # heads across the chunks (`jaxmoe.parallel.context`); ddp only
     context: int = 1
+    # ddp: dense weights replicated, experts resident, tokens routed; fsdp: weights also
+    # split over data and gathered where used
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     zero1: bool = True  # shard optimizer state over each tensor's replica axes
 
@@ -165,6 +180,7 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
+    """Pipeline stages' schedule (`mesh.stage` sets how many stages)."""
     stage_microbatches: int = 1  # micro-batches flowing through the stages, per accumulation step
     # chunks of layers per device: 1 is GPipe; 2 or more a circular schedule that
     # visits them round-robin
@@ -173,6 +189,7 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    """The optimizer, its schedule, weight decay, clipping and QK-clip."""
     # "adamw": jaxmoe's fused AdamW (b1, b2, eps below). "muon": Muon for the weight
     # matrices (attention, MLPs, shared and routed experts, each expert's matrices on
     # their own) and that AdamW for the rest (jaxmoe/muon.py). Any other name is an optax
@@ -186,14 +203,15 @@ class OptimizerConfig:
     # further arguments of an optax optimizer, e.g. {b2: 0.99} for lion (optax's
     # defaults otherwise: b1, b2 and eps above are the fused AdamW's)
     optax_kwargs: dict[str, Any] = field(default_factory=dict)
-    learning_rate: float = 3e-3
+    learning_rate: float = 3e-3  # the peak, after warmup
+    # after warmup: cosine decay, wsd (warmup, stable, decay), or constant
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # linear warmup from 0
     decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
-    min_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    min_lr_ratio: float = 0.1  # the learning rate the decay ends at, over the peak
+    b1: float = 0.9  # adamw: first-moment decay
+    b2: float = 0.95  # adamw: second-moment decay
+    eps: float = 1e-8  # adamw: added to the second moment's root
     weight_decay: float = 0.1  # decoupled: each step subtracts lr * weight_decay * parameter
     # parameters left out of weight decay: glob patterns matched against a parameter's
     # path, e.g. "embed" (the token embedding, as OLMo), "*router*", "head"; [] decays
@@ -204,16 +222,16 @@ class OptimizerConfig:
     # still computed in float32; the second moment stays float32)
     mu_dtype: Literal["float32", "bfloat16"] = "float32"
     grad_clip: float = 1.0  # global-norm clip; 0 disables
-    # muon: momentum (Nesterov), Newton-Schulz steps, and the RMS each matrix's update is
-    # scaled to per sqrt(max(fan_in, fan_out)) (Moonlight's 0.2, which lets AdamW's
-    # learning rate and weight decay carry over); adamw_params: glob patterns of
-    # parameter paths AdamW updates even where they are matrices (e.g. "dense_layers/*")
-    muon_momentum: float = 0.95
-    muon_ns_steps: int = 5
+    muon_momentum: float = 0.95  # muon: Nesterov momentum
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations orthogonalizing the momentum
+    # muon: the RMS each matrix's update is scaled to, per sqrt(max(fan_in, fan_out))
+    # (Moonlight's 0.2, which lets AdamW's learning rate and weight decay carry over)
     muon_rms: float = 0.2
     # the dtype of the Newton-Schulz products: float32 (optax's numbers) or bfloat16
     # (the tensor cores' rate; the momentum and the update stay float32)
     muon_ns_dtype: Literal["float32", "bfloat16"] = "float32"
+    # muon: glob patterns of parameter paths AdamW updates even where they are matrices
+    # (e.g. "dense_layers/*")
     adamw_params: tuple[str, ...] = ()
     # QK-clip (MuonClip's, with any optimizer): after each update, the query and key
     # projections of every head whose largest attention logit in the step exceeded
@@ -230,6 +248,9 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    """What the run trains on (`jaxmoe.data`)."""
+    # stdlib: byte tokens of Python's standard library (no download); text: UTF-8 files
+    # as bytes; tokens: token shards (python -m jaxmoe.data.prepare)
     source: Literal["stdlib", "text", "tokens"] = "stdlib"
     # tokens: a prepared directory, a shard, a glob, or a list of them (a mixture)
     path: str | tuple[str, ...] | None = None
@@ -237,7 +258,7 @@ class DataConfig:
     # "bytes", or a Hugging Face tokenizer.json (or a directory holding one)
     tokenizer: str = "bytes"
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # of index-less raw shards
-    heldout_fraction: float = 0.05
+    heldout_fraction: float = 0.05  # share held out for evaluation (raw shards: each one's tail)
     # text: a binary file (a NUL byte) or one not UTF-8 stops the run (refuse), has its
     # bad bytes replaced by U+FFFD (replace; binary files still stop it), or is left out
     bad_text: Literal["refuse", "replace", "skip"] = "refuse"
@@ -259,11 +280,14 @@ class EvalsConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 200
+    """The step: batch, length, recomputation, gradient dtypes, evaluation, the run
+    directory."""
+    steps: int = 200  # optimizer steps
     batch_size: int = 16  # global batch, in sequences
-    seq_len: int = 256
-    accumulation_steps: int = 1  # the batch is split into this many slices, run one after
-    # another with their gradients summed (gradient accumulation)
+    seq_len: int = 256  # tokens per sequence
+    # the batch is split into this many slices, run one after another with their
+    # gradients summed (gradient accumulation)
+    accumulation_steps: int = 1
     # what each layer keeps for the backward pass (the rest is recomputed there):
     # none: everything; full: only its input; matmuls: the outputs of dots without
     # batch dims (projections, router, dense MLP) and of the expert GEMMs;
@@ -294,16 +318,17 @@ class TrainConfig:
     # gradients are bf16 already wherever the compute dtype is (norms and the
     # router sum in fp32 either way)
     grad_accum_dtype: Literal["float32", "bfloat16"] = "float32"
-    seed: int = 0
+    seed: int = 0  # of the initial weights, the data order and the steps' random keys
     eval_every: int = 100  # 0: only at the end
     eval_batches: int = 8  # held-out batches (of each source, with a mixture)
-    evals: EvalsConfig = field(default_factory=EvalsConfig)
+    evals: EvalsConfig = field(default_factory=EvalsConfig)  # downstream tasks in training
     max_bad_steps: int = 5  # stop after this many consecutive non-finite steps (each is skipped)
-    run_dir: str = "runs/default"
+    run_dir: str = "runs/default"  # where checkpoints, metrics.jsonl and config.yaml go
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """When checkpoints are saved and kept."""
     every: int = 0  # save every N steps; 0: only at the end
     keep: int = 2  # keep the last K checkpoints
     keep_every: int = 0  # also keep every checkpoint whose step is a multiple of N; 0: none
@@ -314,12 +339,13 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    log_every: int = 10
-    progress: bool = True
+    """metrics.jsonl, the progress bar, metric sinks, the profiler."""
+    log_every: int = 10  # steps between lines of metrics.jsonl
+    progress: bool = True  # a tqdm progress bar with the loss and load summary
     tensorboard: bool = False  # also write TensorBoard event files to RUN_DIR/tensorboard
     wandb: bool = False  # also log to a W&B run (files in RUN_DIR/wandb)
     wandb_mode: Literal["offline", "online"] = "offline"  # offline: `wandb sync` uploads later
-    wandb_project: str = "jaxmoe"
+    wandb_project: str = "jaxmoe"  # the W&B project
     wandb_entity: str | None = None  # the W&B team or user; None: the account's default
     wandb_name: str | None = None  # the run's display name; None: the run directory's name
     # [start, stop]: a jax.profiler trace of train steps start..stop (inclusive) in
@@ -704,6 +730,9 @@ class _UniqueKeys(yaml.SafeLoader):
 
 
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
+    """A validated Config from a YAML file, with dotted overrides ("moe.top_k=4") applied
+    after it; ConfigError names the first bad key (unknown, mistyped, repeated or
+    inconsistent)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -717,6 +746,7 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Confi
 
 
 def override_config(cfg: Config, overrides: typing.Sequence[str]) -> Config:
+    """`cfg` with dotted overrides ("train.steps=100") applied, validated again."""
     return config_from_dict(cfg.to_dict(), overrides)
 
 
@@ -749,6 +779,8 @@ class ParamCounts:
 
 
 def param_counts(c: Config) -> ParamCounts:
+    """The model's total parameters and those one token uses (active: top-k of the
+    routed experts, everything else whole), embedding and head included."""
     m, moe = c.model, c.moe
     d, hd = m.d_model, m.head_size
     layer_norms = 2 * d + {"none": 0, "head": 2 * hd, "full": (m.num_heads + m.num_kv_heads) * hd}[m.qk_norm]

@@ -147,7 +147,9 @@ def export_hf(checkpoint_path: str | Path, out: str | Path, dtype: str = "float3
                           shard_bytes=shard_bytes)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of `python -m jaxmoe.export`; docs/reference/commands.md is generated from
+    them."""
     parser = argparse.ArgumentParser(prog="python -m jaxmoe.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
@@ -160,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None,
                         help="hf: the tokenizer to write (a tokenizer.json, its directory, or "
                              "'bytes'); default: the run's")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     absl_logging.set_verbosity(absl_logging.ERROR)
     jax.config.update("jax_platforms", "cpu")  # host memory holds the weights, not a device's

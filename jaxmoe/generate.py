@@ -127,7 +127,9 @@ def _length(new_N: np.ndarray, eos: int) -> int:
     return int(ends[0]) + 1 if len(ends) else len(new_N)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of `python -m jaxmoe.generate`; docs/reference/commands.md is generated from
+    them."""
     parser = argparse.ArgumentParser(prog="python -m jaxmoe.generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
@@ -147,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--within-trained-length", action="store_true",
                         help="refuse prompts and generation past the row length the model "
                              "trained on (train.seq_len), instead of warning")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     absl_logging.set_verbosity(absl_logging.ERROR)
     try:

@@ -60,7 +60,9 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of `python -m jaxmoe.launch`; docs/reference/commands.md is generated from
+    them."""
     parser = argparse.ArgumentParser(prog="python -m jaxmoe.launch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-processes", type=int, required=True, metavar="N")
@@ -68,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="fake CPU devices of each process")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="-- then the arguments of python -m jaxmoe.train")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     if args.num_processes < 1 or args.devices_per_process < 1:

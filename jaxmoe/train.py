@@ -399,7 +399,9 @@ def profile_override(span: str | None) -> list[str]:
     return [f"logging.profile_steps=[{parts[0]}, {parts[1]}]"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of `python -m jaxmoe.train`; docs/reference/commands.md is generated from
+    them."""
     parser = argparse.ArgumentParser(prog="python -m jaxmoe.train", description=__doc__)
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -418,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accept-new-data", action="store_true",
                         help="resume although the data differ from the checkpoint's")
     distributed.add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's routine notices
     try:

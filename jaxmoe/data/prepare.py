@@ -572,7 +572,9 @@ def _recorded(out: Path, number: int, itemsize: int) -> dict | None:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of `python -m jaxmoe.data.prepare`; docs/reference/commands.md is generated from
+    them."""
     parser = argparse.ArgumentParser(prog="python -m jaxmoe.data.prepare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", help="text files, directories, JSON Lines files, "
@@ -591,6 +593,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rebuild", action="store_true",
                         help="replace a finished preparation of other inputs or options in --out")
     parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         index = prepare(args.inputs, args.out, args.tokenizer, text_field=args.text_field,

@@ -439,7 +439,9 @@ def from_checkpoint(path: str, batch_size: int = 16, max_length: int | None = No
     return JaxmoeLM(Scorer(steps), (params, buffers), vocab, decode, progress)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of `python -m jaxmoe.eval`; docs/reference/commands.md is generated from
+    them."""
     parser = argparse.ArgumentParser(prog="python -m jaxmoe.eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
@@ -463,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
                              "--set mesh.expert=8 --set moe.dispatcher=alltoall")
     parser.add_argument("--seed", type=int, default=0,
                         help="few-shot sampling and sampled generation")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     absl_logging.set_verbosity(absl_logging.ERROR)
     try:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -76,14 +77,29 @@ def balance_vs_imbalance(run_dir: str | Path, out: str | Path | None = None) -> 
     return out
 
 
-if __name__ == "__main__":
-    usage = "usage: python -m jaxmoe.observe.plots RUN_DIR (a run directory with metrics.jsonl)"
-    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
-        print(usage, file=sys.stderr)
-        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
-    if not (Path(sys.argv[1]) / "metrics.jsonl").is_file():
-        print(f"error: {Path(sys.argv[1]) / 'metrics.jsonl'} does not exist; {usage}",
-              file=sys.stderr)
-        sys.exit(2)
-    for path in (load_heatmaps(sys.argv[1]), balance_vs_imbalance(sys.argv[1])):
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of `python -m jaxmoe.observe.plots`; docs/reference/commands.md is
+    generated from them."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxmoe.observe.plots",
+        description="Draw a run's per-layer expert-load heatmaps (expert_load.png) and its "
+                    "balance loss against the true imbalance (balance_vs_load.png) into the "
+                    "run directory.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory with metrics.jsonl")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not (Path(args.run_dir) / "metrics.jsonl").is_file():
+        print(f"error: {Path(args.run_dir) / 'metrics.jsonl'} does not exist; give a run "
+              "directory", file=sys.stderr)
+        return 2
+    for path in (load_heatmaps(args.run_dir), balance_vs_imbalance(args.run_dir)):
         print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

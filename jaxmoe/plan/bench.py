@@ -471,7 +471,9 @@ def bench_muon(a: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of `python -m jaxmoe.plan.bench`; docs/reference/commands.md is generated from
+    them."""
     parser = argparse.ArgumentParser(prog="python -m jaxmoe.plan.bench", description=__doc__.split("\n")[0])
     subs = parser.add_subparsers(dest="command", required=True)
     for name, sc in SUBCOMMANDS.items():
@@ -480,6 +482,11 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--malloc", choices=["keep", "default"], default="keep",
                        help="keep: freed memory stays mapped (see keep_freed_memory)")
         sc.add_args(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
     args = parser.parse_args(argv)
     kept = args.malloc == "keep" and keep_freed_memory()
     result = SUBCOMMANDS[args.command].run(args)

@@ -215,6 +215,10 @@ def throughput_bound(cfg, model_flops: float, flops_by_scope: dict, moved: dict,
 
 
 def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: float) -> dict:
+    """The plan `python -m jaxmoe.plan` prints (and `--json` writes): the config's train
+    step compiled for `target` (a GPU from `jaxmoe.plan.targets`, or "cpu") on its
+    mesh, judged against `device`'s datasheet; `mfu` is the utilisation the simple
+    compute estimate assumes. Nothing is allocated."""
     import jax
 
     from jaxmoe.config import flops_per_token, load_config, param_counts
@@ -467,7 +471,9 @@ def print_roofline(r: dict, reference: str = "", top: int = 6, expected: bool = 
           "neither knows caches or contention between kernels and collectives")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of `python -m jaxmoe.plan`; docs/reference/commands.md is generated from
+    them."""
     parser = argparse.ArgumentParser(prog="python -m jaxmoe.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
@@ -500,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="--search: only these values of a choice (data, stage, expert, "
                              "context, stage_microbatches, virtual_stages, remat, dispatcher); "
                              "repeatable, e.g. --only expert=8 --only remat=full,save_attention")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.target != "cpu" and args.device not in (None, args.target):
         parser.error(f"--device {args.device} with --target {args.target}: a GPU target is "
