@@ -19,6 +19,8 @@ measured one, in the anchor's count.
 from __future__ import annotations
 
 import argparse
+import datetime
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -47,6 +49,8 @@ PROGRAMS = {
                    ["mesh.data=2", "mesh.stage=1", "mesh.expert=64",
                     "pipeline.virtual_stages=1", "pipeline.stage_microbatches=1"]),
     "small_h100": ("configs/gpu1_small.yaml", "h100", []),
+    "2400b_b300": ("configs/moe_2400b_512gpu.yaml", "b300", []),
+    "47b_131k_b300": ("configs/olmoe_8layer_e128_131k.yaml", "b300", []),
 }
 try:  # the measured runs' configs, each on its own GPU (a checkout without them has none)
     from jaxmoe.config import FLOP_COUNTS
@@ -67,6 +71,14 @@ def _version(package: str) -> str:
         return "-"
 
 
+def config_digest(path: str, overrides: list[str]) -> str:
+    """SHA-256 of a config's values (its comments and layout left out)."""
+    from jaxmoe.config import load_config
+
+    values = json.dumps(load_config(path, overrides).to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(values.encode()).hexdigest()
+
+
 def figures(name: str) -> dict:
     from jaxmoe.plan.planner import plan
 
@@ -78,6 +90,15 @@ def figures(name: str) -> dict:
              "memory-bound kernels": expected.get("memory_bound_s", 0.0),
              "exposed collectives": expected.get("exposed_collective_s", 0.0)}
     return {"program": name, "jax": _version("jax"), "tokamax": _version("tokamax"),
+            # what the figures were compiled from: a docs page built from them checks
+            # that the config's values have not changed since (docs/generate.py)
+            "config": config, "target": target, "overrides": overrides,
+            "config_digest": config_digest(str(ROOT / config), overrides),
+            "date": datetime.date.today().isoformat(),
+            "devices": p["devices"], "mesh": p["mesh"],
+            "params_total": p["params_total"], "params_active": p["params_active"],
+            "device_memory_gb": p["device_memory"] / 1e9,
+            "memory_fraction_needed": p["memory_fraction_needed"],
             "peak_gb": p["bytes_per_device"]["peak"] / 1e9,
             "step_s": roof["step_s"],
             "model_tflops_per_device": roof["model_tflops_per_device"],

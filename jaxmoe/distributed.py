@@ -51,7 +51,7 @@ class Processes:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("multiple processes (see README, 'Many hosts')")
+    group = parser.add_argument_group("multiple processes (docs/guides/many-hosts.md)")
     group.add_argument("--coordinator", metavar="HOST:PORT",
                        help=f"address of process 0's coordinator (env {ENV['coordinator']})")
     group.add_argument("--num-processes", metavar="N",

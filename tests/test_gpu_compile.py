@@ -474,7 +474,7 @@ def test_shipped_gpu_configs_compile_for_an_h100(name):
     """As shipped (dispatcher, precision, remat, batch, layers), at toy widths: the
     one-GPU config, and the 8-layer family at 8 experts (one per device); e32 and e64
     are the family between it and e128, which test_plan compiles at full size (and
-    the README test the 1.2T config at toy widths)."""
+    the docs' commands test the 1.2T config at toy widths)."""
     path = Path(__file__).parent.parent / "configs" / f"{name}.yaml"
     cfg = load_config(path, TOY_WIDTHS + ["mesh.data=1"])
     program = _compile("h100", None, cfg)

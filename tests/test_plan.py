@@ -107,6 +107,22 @@ def test_ratio_is_the_program_over_the_routed_rows():
 
 
 @pytest.mark.slow
+def test_the_performance_page_holds_this_program(b300):
+    """docs/performance.md's 47B-on-B300 row came from this very program: a change to the
+    code that moves the compiled figures fails here until the page's figures are
+    recompiled (`benchmarks/gpu_programs.py`; docs/generate.py checks the configs). The
+    page prints four or five significant figures; the compile is deterministic."""
+    plan, _ = b300
+    rows = {r["program"]: r for r in map(json.loads, (ROOT / "docs" / "performance" /
+                                                       "programs.jsonl").read_text().splitlines())}
+    row = rows["47b_b300"]
+    assert (row["config"], row["target"], row["overrides"]) == (CONFIG, "b300",
+                                                                ["mesh.data=1", "mesh.expert=8"])
+    assert plan["bytes_per_device"]["peak"] / 1e9 == pytest.approx(row["peak_gb"], rel=1e-4)
+    assert plan["expected"]["step_s"] == pytest.approx(row["expected_step_s"], rel=1e-4)
+    assert plan["roofline"]["step_s"] == pytest.approx(row["step_s"], rel=1e-4)
+
+
 def test_cpu_target_plans_with_stand_ins(tmp_path, b300):
     plan, stdout = _plan(tmp_path, "--target", "cpu", "--device", "b300",
                          "--set", "moe.dispatcher=ragged")

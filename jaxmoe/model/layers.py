@@ -1,6 +1,6 @@
 """Small building blocks: parameters with logical axes, RMSNorm, RoPE, SwiGLU MLP.
 
-Shape alphabet (README.md has all of it): B batch, L length, D model, H heads, G kv
+Shape alphabet (docs/reference/architecture.md has all of it): B batch, L length, D model, H heads, G kv
 heads, Hd head size, F hidden, E experts, K top-k, T tokens (B L), V vocab.
 """
 
