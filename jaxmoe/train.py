@@ -412,8 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="leave after N steps of this process, with a checkpoint")
     parser.add_argument("--init-from-hf", default=None, metavar="DIR",
                         help="start from a Hugging Face checkpoint (Qwen3-MoE, OLMoE, Mixtral, "
-                             "dots1, GLM-4.5): its architecture replaces the config's model "
-                             "shapes")
+                             "dots1, GLM-4.5, DeepSeek-V3, Kimi-K2): its architecture replaces "
+                             "the config's model shapes")
     parser.add_argument("--profile", default=None, metavar="START:STOP",
                         help="write a jax.profiler trace of train steps START..STOP to "
                              "RUN_DIR/profile (logging.profile_steps)")
