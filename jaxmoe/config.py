@@ -132,7 +132,7 @@ class MoEConfig:
     # copies past it are dropped and counted. E / K never drops (room for every token)
     capacity_factor: float = 1.25
     # a step whose copies overflow the buffers: drop them (counted in drop_fraction);
-    # rerun it, its update not applied, at doubled capacity up to E / K (jaxmoe.overflow);
+    # rerun it, its update not applied, at doubled capacity up to E / K (jaxmoe.step.overflow);
     # or raise, stopping with the demand seen
     on_overflow: Literal["drop", "rerun", "raise"] = "drop"
     # expert GEMMs: in model.compute_dtype, or MXFP8 (e4m3 blocks of 32 with e8m0 scales)

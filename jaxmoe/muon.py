@@ -19,7 +19,7 @@ fused AdamW (b1, b2, eps, mu_dtype of the config).
 
 Where a matrix lives split over devices (the ddp step's ZeRO-1 shards), the
 caller's `whole_matrices(name, x, view, fn)` applies `fn` to whole matrices and
-returns this device's part (`jaxmoe.step.DeviceProgram.whole_matrices`); on one
+returns this device's part (`jaxmoe.step.program.DeviceProgram.whole_matrices`); on one
 device, or on global arrays, `fn(x)`. The optimizer built from these pieces is
 `jaxmoe.optim.make_optimizer`'s (`make_muon`).
 """

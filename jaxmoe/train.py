@@ -39,7 +39,7 @@ from jaxmoe.observe import sinks
 from jaxmoe.observe.monitor import Monitor, to_python
 from jaxmoe.observe.perf import Peak, ProfileWindow, StepClock, memory, throughput
 from jaxmoe.optim import describe, learning_rate_schedule
-from jaxmoe.overflow import Overflow, OverflowSteps
+from jaxmoe.step.overflow import Overflow, OverflowSteps
 from jaxmoe.run_lock import RunDirectoryInUse, RunLock
 from jaxmoe.sharding import make_mesh, process_rows
 from jaxmoe.step import abstract_model, build_steps, with_weights

@@ -1,7 +1,7 @@
 """Non-finite training losses on demand, for the tests of skipped steps, without a hook
 in the package: a batch that holds the token POISON has a NaN loss.
 
-`poison_loss(monkeypatch)` wraps `jaxmoe.step.make_loss_fn` (build it before
+`poison_loss(monkeypatch)` wraps the `make_loss_fn` that `jaxmoe.step.build` calls (build it before
 `build_steps` or `train`); `poison_steps(monkeypatch, steps)` also makes the
 training batches of those steps (0-based, as `TrainState.step` before the step)
 hold the token, for runs through `jaxmoe.train`.
@@ -13,7 +13,7 @@ POISON = 255  # a byte the standard library's source never holds
 
 
 def poison_loss(monkeypatch) -> None:
-    import jaxmoe.step as step
+    import jaxmoe.step.build as step
 
     make = step.make_loss_fn
 

@@ -20,7 +20,8 @@ from jaxmoe.model.moe import MoE
 from jaxmoe.parallel.layout import GlobalLayout
 from jaxmoe.model.router import balance_loss, route
 from jaxmoe.sharding import make_mesh
-from jaxmoe.step import build_steps, update_expert_bias
+from jaxmoe.model.router import update_expert_bias
+from jaxmoe.step import build_steps
 
 from poison import poison_loss, poisoned
 

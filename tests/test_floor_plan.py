@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).parent.parent / "jaxmoe"
 WINGS = ("jaxmoe.eval", "jaxmoe.plan", "jaxmoe.observe")
 # what trains: these import no wing, so a run needs none of them
 CORE = ("jaxmoe.model", "jaxmoe.parallel", "jaxmoe.ops", "jaxmoe.step", "jaxmoe.checkpoint",
-        "jaxmoe.config", "jaxmoe.optim", "jaxmoe.sharding", "jaxmoe.overflow")
+        "jaxmoe.config", "jaxmoe.optim", "jaxmoe.sharding")
 
 
 def modules() -> dict[str, Path]:

@@ -593,8 +593,8 @@ def test_mxfp8_weights_are_quantised_once_per_step(monkeypatch):
     assert weights and all(runs == 1 and not in_loop for runs, in_loop, _, _ in weights)
     assert [q for q in found if q[1] and q[3][1] != rows] == []
 
-    import jaxmoe.step
-    monkeypatch.setattr(jaxmoe.step, "mx_copies", lambda params, cfg: {})
+    import jaxmoe.step.loss
+    monkeypatch.setattr(jaxmoe.step.loss, "mx_copies", lambda params, cfg: {})
     per_call = Program(compile_train_step(_config(moe={"expert_precision": "mxfp8",
                                                         "expert_hidden": 96}), "b300")[0].as_text())
     again = [q for q in quantisations(per_call) if q[1] and q[3][1] != rows]
@@ -633,13 +633,13 @@ def test_no_parameter_size_zero_buffer_lives_across_the_step(monkeypatch):
     accumulators' zeros and keep it, materialised, for the update after the loop."""
     import optax
 
-    import jaxmoe.step
+    import jaxmoe.step.build
     size = 2 * El * BASE["model"]["d_model"] * 2 * BASE["moe"]["expert_hidden"]  # w_gate_up
     program, _ = _compiled("b300")
     zeros = _zero_buffers(program, size)
     assert zeros and all(_loop_inits(program, readers) for _, readers in zeros)
 
-    make = jaxmoe.step.make_optimizer
+    make = jaxmoe.step.build.make_optimizer
 
     def selecting(cfg, steps):
         tx = make(cfg, steps)
@@ -650,7 +650,7 @@ def test_no_parameter_size_zero_buffer_lives_across_the_step(monkeypatch):
 
         return optax.GradientTransformationExtraArgs(tx.init, update)
 
-    monkeypatch.setattr(jaxmoe.step, "make_optimizer", selecting)
+    monkeypatch.setattr(jaxmoe.step.build, "make_optimizer", selecting)
     shared = Program(compile_train_step(_config(), "b300")[0].as_text())
     assert any(not _loop_inits(shared, readers) for _, readers in _zero_buffers(shared, size))
 

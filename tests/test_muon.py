@@ -16,7 +16,8 @@ from jaxmoe.config import ConfigError, config_from_dict
 from jaxmoe.muon import MATRICES, orthogonalized, view_of
 from jaxmoe.optim import assignment, make_optimizer, param_name
 from jaxmoe.sharding import AXES, make_mesh
-from jaxmoe.step import DeviceProgram, build_steps
+from jaxmoe.step import build_steps
+from jaxmoe.step.program import DeviceProgram
 
 from model_order import in_model_order
 from one_device import batch

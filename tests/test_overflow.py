@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import config_from_dict
-from jaxmoe.overflow import Overflow, OverflowSteps, ladder
+from jaxmoe.step.overflow import Overflow, OverflowSteps, ladder
 from jaxmoe.sharding import make_mesh
 from jaxmoe.step import build_steps
 
@@ -117,7 +117,7 @@ def test_raise_stops_with_the_demand(batch):
 def test_the_ladder_steps_back_down_after_clean_steps(monkeypatch):
     """Steps start at the rung that last held one, one lower after PATIENCE clean steps;
     steps stand in for the compiled ones (a skewed batch overflows below E / K)."""
-    import jaxmoe.overflow as overflow
+    import jaxmoe.step.overflow as overflow
 
     def steps_at(factor):
         def train_step(state, skewed):

@@ -275,7 +275,7 @@ def test_stage_held_stacks_equal_sequential(stages, virtual, dispatcher, expert,
 
 def test_expert_bias_update_lands_on_its_stage_chunk():
     """Counts come in model order; a circular, padded stack holds layers by stage."""
-    from jaxmoe.step import update_expert_bias
+    from jaxmoe.model.router import update_expert_bias
     stack = StageStack.of(7, 2, 2)  # 7 real layers + 1 pad
     counts_LxE = np.zeros((7, 4), np.int32)
     counts_LxE[4, 0] = 8  # model layer 4 overloads expert 0

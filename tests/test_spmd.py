@@ -302,7 +302,7 @@ def test_zero1_shards_gathered_in_the_pipeline_equal_gathered_first(monkeypatch)
     bf16 additions (a few units of 2^-8 of a tensor's largest terms; 8 allowed, as
     above), and the programs differ as they should: all-gathers and
     reduce-scatters inside loops in the one, none in the other."""
-    import jaxmoe.step
+    import jaxmoe.step.program
 
     cfg = override_config(_cfg({**PIPE, "zero1": True}, 1, "bfloat16", CIRCULAR,
                                dispatcher="alltoall"), ["train.grad_reduce_dtype=bfloat16"])
@@ -318,7 +318,7 @@ def test_zero1_shards_gathered_in_the_pipeline_equal_gathered_first(monkeypatch)
 
     got, gathers, scatters = first_grads_and_loops()
     assert gathers > 0 and scatters > 0
-    monkeypatch.setattr(jaxmoe.step.DeviceProgram, "_defers", lambda self, path, r: False)
+    monkeypatch.setattr(jaxmoe.step.program.DeviceProgram, "_defers", lambda self, path, r: False)
     want, gathers, scatters = first_grads_and_loops()
     assert gathers == scatters == 0
     _bf16_close(got, want)

@@ -2,12 +2,12 @@
 
 The selection-only expert bias (aux-loss-free balancing) lives in an
 `ExpertBias` variable, which is not an `nnx.Param`, so the optimizer never
-sees it; the train step updates it from globally reduced expert loads.
+sees it; the train step updates it from globally reduced expert loads (`update_expert_bias`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -131,3 +131,26 @@ class Router(nnx.Module):
         logits_TxE = checkpoint_name(x @ self.w[...], ROUTER_LOGITS)
         bias = self.bias[...] if self.cfg.expert_bias else None
         return route(logits_TxE, self.cfg, bias)
+
+
+def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float,
+                       place: Callable = lambda delta: delta, mtp_layers: int = 0) -> nnx.State:
+    """Aux-loss-free balancing: nudge each expert's selection bias toward mean load.
+
+    Uses the step's requested counts summed over the global batch, in model order
+    (the MoE layers', then the `mtp_layers` multi-token prediction modules'), once per
+    optimizer step, however often a layer was recomputed. `place` puts the MoE
+    layers' updates where `buffers` hold their layers (a layout's `own_share`: a
+    pipeline stage's chunks, zero for padding slots).
+    """
+    counts = counts_LxE.astype(jnp.float32)
+    delta = rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
+    Lm = counts.shape[0] - mtp_layers
+    main, mtp = place(delta[:Lm]), delta[Lm:]
+
+    def nudge(path, b):  # a new tree: the step's input state must stay untouched
+        if "router" not in jax.tree_util.keystr(path):
+            return b
+        return b + (mtp if any(getattr(k, "key", None) == "mtp_layers" for k in path) else main)
+
+    return jax.tree_util.tree_map_with_path(nudge, buffers)

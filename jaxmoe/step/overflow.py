@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmoe.config import Config
-from jaxmoe.step import Steps, build_steps
+from jaxmoe.step.build import Steps, build_steps
 
 
 # steps in a row without an overflow before the next step tries a smaller capacity

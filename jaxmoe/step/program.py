@@ -1,0 +1,241 @@
+"""Where the step runs: the auto-sharded program (fsdp) or one device's program inside
+a `shard_map` over the whole mesh (ddp).
+
+Every step makes the working copy of the parameters, sums the gradients over the
+accumulation slices and reduces them, totals the losses and stats, takes the norm and
+the finite check, lets the optimizer update the parameters the program owns, then
+gathers them. What differs between the two programs is each of those verbs; the step's
+body (`jaxmoe.step.build.make_train_step`) is written once against them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxmoe import sharding
+from jaxmoe.config import Config
+from jaxmoe.model.attention import MAX_STATS
+from jaxmoe.model.moe import MEAN_STATS
+from jaxmoe.model.transformer import in_moe_stack
+from jaxmoe.muon import on_one_device
+from jaxmoe.ops.vma import vary
+from jaxmoe.optim import param_name
+from jaxmoe.parallel import context, ddp
+from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
+from jaxmoe.sharding import TOKEN_AXES
+
+
+# per-shard means among the losses' aux: totalled over shards, they are divided by their count
+SHARD_MEANS = (*MEAN_STATS, "mtp_ce")
+
+
+class AutoProgram:
+    """fsdp: one program on global arrays; XLA places the reductions (inside the
+    accumulation loop, as it chooses)."""
+
+    def __init__(self, cfg: Config, layout: GlobalLayout, use_specs: nnx.State):
+        self.cfg, self.layout, self.use_specs = cfg, layout, use_specs
+
+    def start(self, step_key, batch_BxLn, extra: int = 1):
+        return step_key, self.own_rows(batch_BxLn, extra)
+
+    def own_rows(self, batch_BxN, extra: int = 1):
+        return batch_BxN
+
+    def per_row(self, x_B, every: bool = False):
+        return x_B
+
+    def working(self, params):
+        return working_copy(self.cfg, self.layout.mesh, params, self.use_specs)
+
+    def reduce(self, grads):
+        return jax.tree.map(lambda g: g.astype(jnp.float32) / self.cfg.train.accumulation_steps,
+                            grads)
+
+    def totals(self, loss, ce, aux):
+        return loss, ce, aux
+
+    def norm(self, grads):
+        return optax.tree.norm(grads)
+
+    def own(self, params):
+        return params
+
+    def gathered(self, params):
+        return params
+
+    def tokens(self, rows_BxLn, extra: int = 1) -> int:
+        return rows_BxLn.shape[0] * (rows_BxLn.shape[1] - extra)
+
+    whole_matrices = staticmethod(on_one_device)  # global arrays: every matrix is whole
+
+    @staticmethod
+    def own_part(name: str, x):  # global arrays: the whole tensor is the program's
+        return x
+
+
+class DeviceProgram:
+    """ddp: one device's program inside a `shard_map` over the whole mesh.
+
+    Each device runs the model on its own rows with its dense replicas and its
+    experts (and stage); gradients accumulate locally and are reduced once at the
+    end, into the ZeRO-1 shards (`jaxmoe.parallel.ddp`), where the optimizer
+    updates them; the new shards are gathered once.
+    """
+
+    def __init__(self, cfg: Config, layout: DeviceLayout, use_specs: nnx.State,
+                 shard_specs: nnx.State):
+        self.cfg, self.layout, self.mesh = cfg, layout, layout.mesh
+        self.plans = ddp.reductions(use_specs, shard_specs, self.mesh)
+        self.sharded_master = sharded_master(cfg)
+        self.context = sharding.axis_size(self.mesh, "context")
+        # devices holding different tokens: what the losses and gradients average over
+        self.n_shards = math.prod(sharding.axis_size(self.mesh, a) for a in TOKEN_AXES)
+        self.deferred = jax.tree_util.tree_map_with_path(self._defers, self.plans)
+        self.plan_of = {param_name(path): r for path, r in jax.tree_util.tree_leaves_with_path(
+            self.plans, is_leaf=lambda x: isinstance(x, ddp.Reduction))}
+
+    def _defers(self, path, r: ddp.Reduction) -> bool:
+        """Whether a parameter reaches the model as its ZeRO-1 shard, for a circular
+        pipeline to gather round by round and reduce its gradient in the same loop
+        (`device_pipeline`): a stage-held stack's tensor split only by ZeRO-1 over all
+        its replica axes, in a step of one slice that reduces in the compute dtype."""
+        cfg = self.cfg
+        return (self.layout.stack is not None and cfg.pipeline.virtual_stages > 1
+                and in_moe_stack(path) and self.sharded_master
+                and cfg.train.accumulation_steps == 1
+                and cfg.train.grad_reduce_dtype == cfg.model.compute_dtype
+                and bool(r.scatter_axes) and r.dim >= 2
+                and all(self.mesh.shape[a] == 1 for a in r.sum_axes))
+
+    def start(self, step_key, rows_bxLn, extra: int = 1):
+        # own router jitter
+        key = jax.random.fold_in(step_key, jax.lax.axis_index(TOKEN_AXES))
+        return key, self.own_rows(rows_bxLn, extra)
+
+    def own_rows(self, rows_bxN, extra: int = 1):
+        """This device's part of its rows: under `context` its chunk of their positions
+        (and the `extra` tokens after it, `tokens_after`). Rows, like the
+        weights, vary over every axis (stage included), so that no use of a weight
+        implies a reduction of its gradient."""
+        if self.context > 1:
+            rows_bxN = context.own_chunk(rows_bxN, (rows_bxN.shape[1] - extra) // self.context,
+                                         extra)
+        return vary(rows_bxN, ("stage", "context"))
+
+    def per_row(self, x_b, every: bool = False):
+        """A per-row value from the stage that holds the model's output (`output_share`
+        zeroed it elsewhere), over the row's chunks: their sum, or (`every`, for 0/1
+        flags) whether every chunk's is 1."""
+        x_b = jax.lax.psum(x_b, "stage")
+        return jax.lax.pmin(x_b, "context") if every else jax.lax.psum(x_b, "context")
+
+    def working(self, params):
+        """Cast, then (ZeRO-1 bf16 masters) gathered, then per device: made once a step;
+        the deferred shards as they are (`ddp.Sharded`)."""
+        working = cast_matrices(params, self.cfg.model.compute_dtype)
+
+        def place(w, r, deferred):
+            if deferred:
+                return ddp.Sharded(w, r)
+            return ddp.to_per_device(ddp.gather_shards(w, r) if self.sharded_master else w, r)
+
+        return jax.tree.map(place, working, self.plans, self.deferred)
+
+    def reduce(self, grads):
+        scale = 1.0 / (self.n_shards * self.cfg.train.accumulation_steps)
+        grads = cast_matrices(grads, self.cfg.train.grad_reduce_dtype)  # float32: no-op
+
+        def reduced(r, deferred, g):  # a deferred shard's gradient arrives reduced
+            g = g.shard if deferred else ddp.reduce_gradient(g, r)
+            return g.astype(jnp.float32) * scale
+
+        return jax.tree.map(reduced, self.plans, self.deferred, grads)
+
+    def totals(self, loss, ce, aux):
+        # over every axis: stages hold disjoint layers (zeros elsewhere) and the
+        # last stage's loss, or a share of it each (`output_share`)
+        total = lambda v: ddp.psum_everywhere(v, self.mesh.axis_names)  # noqa: E731
+        largest = lambda v: lax.pmax(vary(v, self.mesh.axis_names), self.mesh.axis_names)  # noqa: E731
+        aux = {k: largest(v) if k in MAX_STATS else
+               total(v) / (self.n_shards if k in SHARD_MEANS else 1) for k, v in aux.items()}
+        return total(loss) / self.n_shards, total(ce) / self.n_shards, aux
+
+    def norm(self, grads):
+        return ddp.global_norm(grads, self.plans, self.mesh)
+
+    def own(self, params):
+        return params if self.sharded_master else jax.tree.map(ddp.own_shard, params, self.plans)
+
+    def gathered(self, params):
+        return params if self.sharded_master else jax.tree.map(ddp.gather_shards, params,
+                                                               self.plans)
+
+    def tokens(self, rows_bxLn, extra: int = 1) -> int:
+        return self.n_shards * rows_bxLn.shape[0] * (rows_bxLn.shape[1] - extra)
+
+    def own_part(self, name: str, x):
+        """This device's ZeRO-1 part of x, a value of parameter `name`'s shape or one
+        that broadcasts against it (size 1 along the split: all of it)."""
+        r = self.plan_of[name]
+        return x if not r.scatter_axes or x.shape[r.dim] == 1 else ddp.own_shard(x, r)
+
+    def whole_matrices(self, name: str, x, view, fn):
+        """fn of the whole matrices of `x`, this device's ZeRO-1 part of parameter
+        `name`'s update (Muon's orthogonalization): this device's part of the result.
+
+        Each matrix is orthogonalized whole, once, by one device: where ZeRO-1 split
+        a batch of matrices (layers, experts, a pipeline's chunks), each device holds
+        whole ones already and nothing moves; where it split the matrices
+        themselves, an all-to-all deals the batch out instead (each device then
+        holds its 1/n of the matrices, whole), and a second brings the results
+        back. A batch that does not divide among the n devices (one dense layer's
+        matrix, say) is padded with zero matrices to one that does (their
+        orthogonalization is zero, and is dropped)."""
+        r = self.plan_of[name]
+        batch = view.batch_axes(x.ndim)
+        if not r.scatter_axes or r.dim < batch:
+            return fn(x)
+        n = math.prod(self.mesh.shape[a] for a in r.scatter_axes)
+        count = math.prod(x.shape[:batch])
+        padded = -(-count // n) * n
+        split = 1 + r.dim - batch  # the split axis of [count, matrix axes...]
+        flat = x.reshape(count, *x.shape[batch:])
+        if padded > count:
+            flat = jnp.concatenate([flat, jnp.zeros((padded - count, *flat.shape[1:]), x.dtype)])
+        dealt = lax.all_to_all(flat, r.scatter_axes, 0, split, tiled=True)
+        back = lax.all_to_all(fn(dealt), r.scatter_axes, split, 0, tiled=True)
+        return back[:count].reshape(x.shape)
+
+
+def working_copy(cfg: Config, mesh: Mesh, params: nnx.State, specs: nnx.State) -> nnx.State:
+    """Matrices cast to the compute dtype and placed where they are used; norms and
+    the router stay fp32. The identity for fp32 compute."""
+    if cfg.model.compute_dtype == "float32":
+        return params
+    return jax.tree.map(lambda p, spec: jax.lax.with_sharding_constraint(
+        p, NamedSharding(mesh, spec)), cast_matrices(params, cfg.model.compute_dtype), specs,
+        is_leaf=lambda x: isinstance(x, P))
+
+
+def cast_matrices(params, dtype):
+    """Matrices in `dtype`; norms, biases and the router stay fp32 whatever the
+    compute dtype."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: p if _stays_fp32(path, p) else p.astype(dtype), params)
+
+
+def _stays_fp32(path, p) -> bool:
+    return p.ndim < 2 or "router" in jax.tree_util.keystr(path)
+
+
+def sharded_master(cfg: Config) -> bool:
+    """Whether the fp32 master weights live in ZeRO-1 shards (see `state_shardings`)."""
+    return cfg.mesh.zero1 and cfg.model.compute_dtype != "float32"
