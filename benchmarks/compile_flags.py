@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxmoe.sharding import make_mesh  # noqa: E402
+from jaxmoe.parallel.sharding import make_mesh  # noqa: E402
 from jaxmoe.step import build_steps  # noqa: E402
 from test_spmd import _cfg  # noqa: E402
 

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     if os.environ.get("JAXMOE_GPU_SMOKE") == "1":
-        from jaxmoe.fake_devices import cpu_devices_env  # starts no JAX
+        from jaxmoe.runtime.fake_devices import cpu_devices_env  # starts no JAX
         os.environ.update(cpu_devices_env(os.environ, 8))
 
 import jax  # noqa: E402
@@ -43,12 +43,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jaxmoe.config import (MeshConfig, MoEConfig, config_from_dict, load_config,  # noqa: E402
                            override_config)
-from jaxmoe.kernels import Kernels  # noqa: E402
-from jaxmoe.parallel.layout import dispatch_on_mesh  # noqa: E402
 from jaxmoe.model.experts import ExpertWeights, expert_ffn  # noqa: E402
 from jaxmoe.model.router import Routing, route  # noqa: E402
 from jaxmoe.ops import mx  # noqa: E402
-from jaxmoe.sharding import BATCH_AXES, make_mesh  # noqa: E402
+from jaxmoe.ops.kernels import Kernels  # noqa: E402
+from jaxmoe.parallel.layout import dispatch_on_mesh  # noqa: E402
+from jaxmoe.parallel.sharding import BATCH_AXES, make_mesh  # noqa: E402
 
 U_FP32, U_BF16, U_E4M3 = 2.0 ** -24, 2.0 ** -8, 2.0 ** -4  # unit roundoffs (half an ulp at 1)
 FAIL_ENV = "JAXMOE_GPU_FAIL"

@@ -21,8 +21,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxmoe.kernels import Kernels  # noqa: E402
 from jaxmoe.ops.grouped_gemm import grouped_matmul  # noqa: E402
+from jaxmoe.ops.kernels import Kernels  # noqa: E402
 from jaxmoe.plan.hlo import Program  # noqa: E402
 from jaxmoe.plan.program_flops import program_flops  # noqa: E402
 from jaxmoe.plan.roofline import Link, roofline  # noqa: E402

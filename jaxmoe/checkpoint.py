@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxmoe.config import SHAPE_KEYS, Config, config_from_dict, current_value
 from jaxmoe.model.transformer import in_moe_stack, map_moe_stack
 from jaxmoe.parallel.pipeline import StageStack
-from jaxmoe.sharding import spec_axes
+from jaxmoe.parallel.sharding import spec_axes
 from jaxmoe.step import Steps, TrainState, abstract_model
 
 # 4: the state as the layout keeps it, meta["moe_stack"] = [W, S, per] of a pipeline's
@@ -49,7 +49,7 @@ from jaxmoe.step import Steps, TrainState, abstract_model
 # 2: MoE layers in the saved config's pipeline layout, stage-major ([S, W, per]
 #    flattened); the config said `microbatches` for both. Resumes: read into model order.
 # 1: optax's chained (clip, adam, decay, schedule) states, which 2 cannot restore
-#    into (2 holds jaxmoe.optim.AdamWState); its weights, laid out as 2's, still load.
+#    into (2 holds jaxmoe.optim.adamw.AdamWState); its weights, laid out as 2's, still load.
 FORMAT_VERSION = 4
 RESUMES_SINCE = 2
 WEIGHTS_SINCE = 1  # the oldest format whose params and router biases load

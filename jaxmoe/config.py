@@ -148,13 +148,13 @@ class MoEConfig:
     z_loss_weight: float = 0.001  # the router z-loss's weight (mean squared logsumexp)
 
 
-# the device mesh's axes, outermost first (`jaxmoe.sharding` says what each holds)
+# the device mesh's axes, outermost first (`jaxmoe.parallel.sharding` says what each holds)
 MESH_AXES = ("data", "stage", "context", "expert")
 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh and how the state is placed on it (`jaxmoe.sharding`)."""
+    """The device mesh and how the state is placed on it (`jaxmoe.parallel.sharding`)."""
     data: int = -1  # -1: all devices left over
     expert: int = 1  # devices the experts are split over (expert parallelism)
     stage: int = 1  # pipeline stages the MoE layers are split over
@@ -192,7 +192,7 @@ class OptimizerConfig:
     """The optimizer, its schedule, weight decay, clipping and QK-clip."""
     # "adamw": jaxmoe's fused AdamW (b1, b2, eps below). "muon": Muon for the weight
     # matrices (attention, MLPs, shared and routed experts, each expert's matrices on
-    # their own) and that AdamW for the rest (jaxmoe/muon.py). Any other name is an optax
+    # their own) and that AdamW for the rest (jaxmoe/optim/muon.py). Any other name is an optax
     # optimizer function ("lion", "adafactor", "sgd", ...; "optax.adamw" for optax's
     # own), called with the schedule as its learning_rate, and weight_decay, no_decay
     # (as its mask) and mu_dtype where it takes them; a step that is skipped for a
@@ -235,7 +235,7 @@ class OptimizerConfig:
     adamw_params: tuple[str, ...] = ()
     # QK-clip (MuonClip's, with any optimizer): after each update, the query and key
     # projections of every head whose largest attention logit in the step exceeded
-    # this are scaled so that its logits shrink to it (jaxmoe/qk_clip.py; Kimi K2 used
+    # this are scaled so that its logits shrink to it (jaxmoe/optim/qk_clip.py; Kimi K2 used
     # 100). 0: off. Needs model.qk_norm: none.
     qk_clip: float = 0.0
 

@@ -38,7 +38,7 @@ from jaxmoe import checkpoint, hf
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config
 from jaxmoe.data.tokenizer import TokenizerError, check_vocab, load_tokenizer, run_tokenizer
-from jaxmoe.run_lock import alive
+from jaxmoe.runtime.run_lock import alive
 
 _RENAME = {"embed": "embedding", "head": "lm_head", "final_norm.scale": "final_norm"}
 

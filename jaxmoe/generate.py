@@ -29,9 +29,9 @@ from absl import logging as absl_logging
 from jaxmoe import api, checkpoint
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config
-from jaxmoe.model import kv_cache
-from jaxmoe.sampling import sample
 from jaxmoe.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer, run_tokenizer
+from jaxmoe.model import kv_cache
+from jaxmoe.model.sampling import sample
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_new_tokens"))

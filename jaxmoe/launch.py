@@ -18,8 +18,8 @@ import sys
 import threading
 import time
 
-from jaxmoe.distributed import ENV
-from jaxmoe.fake_devices import cpu_devices_env
+from jaxmoe.runtime.distributed import ENV
+from jaxmoe.runtime.fake_devices import cpu_devices_env
 
 GRACE_S = 5.0  # a stopped process gets this long to exit before it is killed
 

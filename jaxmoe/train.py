@@ -27,22 +27,24 @@ import numpy as np
 import yaml
 from absl import logging as absl_logging
 
-from jaxmoe import checkpoint, distributed, hf
+from jaxmoe import checkpoint, hf
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config, ConfigError, flops_per_token, load_config
 from jaxmoe.data.batches import BatchIterator, Prefetcher
 from jaxmoe.data.corpus import Corpus, DataError, load_corpus
 from jaxmoe.data.tokenizer import RUN_SUBDIR, TokenizerError, check_vocab, load_tokenizer
-from jaxmoe.distributed import DistributedError
 from jaxmoe.eval import heldout
 from jaxmoe.observe import sinks
 from jaxmoe.observe.monitor import Monitor, to_python
 from jaxmoe.observe.perf import Peak, ProfileWindow, StepClock, memory, throughput
-from jaxmoe.optim import describe, learning_rate_schedule
-from jaxmoe.step.overflow import Overflow, OverflowSteps
-from jaxmoe.run_lock import RunDirectoryInUse, RunLock
-from jaxmoe.sharding import make_mesh, process_rows
+from jaxmoe.optim.muon import describe
+from jaxmoe.optim.schedules import learning_rate_schedule
+from jaxmoe.parallel.sharding import make_mesh, process_rows
+from jaxmoe.runtime import distributed
+from jaxmoe.runtime.distributed import DistributedError
+from jaxmoe.runtime.run_lock import RunDirectoryInUse, RunLock
 from jaxmoe.step import abstract_model, build_steps, with_weights
+from jaxmoe.step.overflow import Overflow, OverflowSteps
 
 
 class TooManyBadSteps(RuntimeError):

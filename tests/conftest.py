@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from jaxmoe.fake_devices import cpu_devices_env
+from jaxmoe.runtime.fake_devices import cpu_devices_env
 
 os.environ.update(cpu_devices_env(os.environ, 8, force_cpu=False))
 

@@ -8,7 +8,7 @@ import chex
 import jax
 import numpy as np
 
-from jaxmoe.sharding import AXES, make_mesh
+from jaxmoe.parallel.sharding import AXES, make_mesh
 from jaxmoe.step import build_steps
 
 from model_order import in_model_order

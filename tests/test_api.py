@@ -19,7 +19,7 @@ from jaxmoe.data.batches import heldout_batches
 from jaxmoe.data.corpus import load_corpus
 from jaxmoe.model.transformer import Transformer
 from jaxmoe.parallel.layout import GlobalLayout
-from jaxmoe.sharding import make_mesh
+from jaxmoe.parallel.sharding import make_mesh
 from jaxmoe.step import build_steps
 
 CFG = jaxmoe.config_from_dict({

@@ -13,14 +13,14 @@ from flax import nnx
 
 from jaxmoe import checkpoint
 from jaxmoe.config import MoEConfig, MeshConfig, config_from_dict
-from jaxmoe.observe import gerrymandering as lm
 from jaxmoe.model.load_metrics import load_metrics
-from jaxmoe.observe.gerrymandering import gerrymandering, steady_gerrymandering
 from jaxmoe.model.moe import MoE
-from jaxmoe.parallel.layout import GlobalLayout
 from jaxmoe.model.router import balance_loss, route
-from jaxmoe.sharding import make_mesh
 from jaxmoe.model.router import update_expert_bias
+from jaxmoe.observe import gerrymandering as lm
+from jaxmoe.observe.gerrymandering import gerrymandering, steady_gerrymandering
+from jaxmoe.parallel.layout import GlobalLayout
+from jaxmoe.parallel.sharding import make_mesh
 from jaxmoe.step import build_steps
 
 from poison import poison_loss, poisoned

@@ -20,9 +20,9 @@ from jaxmoe import checkpoint
 from jaxmoe.config import config_from_dict
 from jaxmoe.data.corpus import load_corpus
 from jaxmoe.model.transformer import map_moe_stack
-from jaxmoe.optim import learning_rate_schedule
+from jaxmoe.optim.schedules import learning_rate_schedule
 from jaxmoe.parallel.pipeline import StageStack
-from jaxmoe.sharding import make_mesh
+from jaxmoe.parallel.sharding import make_mesh
 from jaxmoe.step import build_steps
 from jaxmoe.train import TooManyBadSteps, train
 

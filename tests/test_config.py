@@ -264,7 +264,7 @@ def test_steps_that_are_not_positive_read_alike(steps):
 
 
 def test_a_mesh_larger_than_the_cpu_devices_names_the_fake_device_flag():
-    from jaxmoe.sharding import make_mesh
+    from jaxmoe.parallel.sharding import make_mesh
     n = jax.device_count()
     with pytest.raises(ConfigError, match="xla_force_host_platform_device_count=") as e:
         make_mesh(config_from_dict({"moe": {"num_experts": 2 * n},

@@ -11,7 +11,7 @@ from jaxmoe import checkpoint
 from jaxmoe.config import ConfigError, config_from_dict
 from jaxmoe.parallel import context
 from jaxmoe.parallel.layout import DeviceLayout
-from jaxmoe.sharding import make_mesh
+from jaxmoe.parallel.sharding import make_mesh
 from jaxmoe.step import build_steps
 
 from one_device import batch, first_step, matches

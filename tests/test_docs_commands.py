@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxmoe.fake_devices import without_fake_devices
+from jaxmoe.runtime.fake_devices import without_fake_devices
 
 ROOT = Path(__file__).parent.parent
 # (each config's own layer count: a pipeline's stages need their layers)

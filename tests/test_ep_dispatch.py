@@ -11,16 +11,16 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.config import ConfigError, MeshConfig, MoEConfig, config_from_dict
-from jaxmoe.kernels import Kernels
 from jaxmoe.model.dispatch import buffer_slots, capacity, dense_dispatch, packed_slots
 from jaxmoe.model.experts import ExpertWeights, expert_ffn
+from jaxmoe.model.layout import LocalLayout
 from jaxmoe.model.moe import MoE
 from jaxmoe.model.router import Routing, route
+from jaxmoe.ops.kernels import Kernels
 from jaxmoe.parallel import ragged_cpu
 from jaxmoe.parallel.ep_dispatch import ragged_plan
-from jaxmoe.model.layout import LocalLayout
 from jaxmoe.parallel.layout import GlobalLayout, dispatch_on_mesh, layout_for
-from jaxmoe.sharding import BATCH_AXES, make_mesh, per_device_shapes
+from jaxmoe.parallel.sharding import BATCH_AXES, make_mesh, per_device_shapes
 from jaxmoe.step import build_steps
 
 E, K, D, F, T = 8, 2, 16, 32, 64

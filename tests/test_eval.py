@@ -304,7 +304,7 @@ def test_bad_tasks_and_checkpoints_are_named(run, tasks, tmp_path, capsys):
 
 def test_training_refuses_tasks_it_cannot_run(tasks, tmp_path):
     from jaxmoe.eval.downstream import Downstream
-    from jaxmoe.sharding import make_mesh
+    from jaxmoe.parallel.sharding import make_mesh
     from jaxmoe.step import build_steps
     from jaxmoe.data.tokenizer import BYTE_TOKENIZER
 
@@ -324,7 +324,7 @@ def test_in_loop_few_shot_examples_stay_the_same(tasks):
     """The few-shot sampler is reseeded at every evaluation: the same prompts (and so
     the same figures) each time, not a new draw per evaluation."""
     from jaxmoe.eval.downstream import Downstream
-    from jaxmoe.sharding import make_mesh
+    from jaxmoe.parallel.sharding import make_mesh
     from jaxmoe.step import build_steps
     from jaxmoe.data.tokenizer import BYTE_TOKENIZER
 
@@ -349,7 +349,7 @@ def test_choices_uneven_in_tokens_are_noted(tmp_path):
     the run's log says so and points at acc_norm. Companion: bytes give no note."""
     from jaxmoe.data.tokenizer import BYTE_TOKENIZER, load_tokenizer
     from jaxmoe.eval.downstream import Downstream
-    from jaxmoe.sharding import make_mesh
+    from jaxmoe.parallel.sharding import make_mesh
     from jaxmoe.step import build_steps
 
     from tiny_tokenizer import make_tokenizer

@@ -19,7 +19,7 @@ import yaml
 
 from jaxmoe import checkpoint
 from jaxmoe.export import export
-from jaxmoe.fake_devices import without_fake_devices
+from jaxmoe.runtime.fake_devices import without_fake_devices
 from jaxmoe.train import main as train_main
 
 # pytest swaps sys.unraisablehook per test, past jaxmoe's filter of TensorStore's echoes
@@ -266,7 +266,7 @@ def test_a_second_training_in_a_run_directory_is_refused(trained, tmp_path):
     same command trains (resuming from its checkpoint)."""
     import time
 
-    from jaxmoe.run_lock import NAME
+    from jaxmoe.runtime.run_lock import NAME
 
     run = _copy(trained, tmp_path)
     config = _config(run, steps=400)
@@ -329,7 +329,7 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_is_not(tmp_path):
     (export, load_params) work beside a held lock."""
     import socket
 
-    from jaxmoe.run_lock import STALE_S, RunDirectoryInUse, RunLock
+    from jaxmoe.runtime.run_lock import STALE_S, RunDirectoryInUse, RunLock
 
     run = tmp_path / "run"
     run.mkdir()
@@ -437,8 +437,8 @@ def test_a_save_refused_as_it_starts_exits_within_seconds(trained, tmp_path):
 
 _KILLED_EXPORT = """
 import os, signal, sys
-import jaxmoe.hf as hf
 from jaxmoe.export import export_hf
+import jaxmoe.hf as hf
 real = hf.save_file
 def half_then_killed(tensors, path, metadata=None):
     real(tensors, path, metadata)

@@ -12,10 +12,10 @@ import pytest
 import jaxmoe
 from jaxmoe import api
 from jaxmoe.api import local_config
+from jaxmoe.data.tokenizer import BYTE_TOKENIZER
 from jaxmoe.generate import _generate, encode_prompts, generate, main
 from jaxmoe.model import kv_cache
-from jaxmoe.sampling import filter_logits
-from jaxmoe.data.tokenizer import BYTE_TOKENIZER
+from jaxmoe.model.sampling import filter_logits
 
 # capacity_factor 1.0 drops copies in the full pass; generation runs dropless
 CFG = jaxmoe.config_from_dict({

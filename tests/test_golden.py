@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import config_from_dict
-from jaxmoe.sharding import make_mesh
+from jaxmoe.parallel.sharding import make_mesh
 from jaxmoe.step import build_steps
 
 CONFIG = {

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmoe.fake_devices import without_fake_devices
+from jaxmoe.runtime.fake_devices import without_fake_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("gpu_checks", ROOT / "benchmarks" / "gpu_checks.py")

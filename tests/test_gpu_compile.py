@@ -307,7 +307,7 @@ def test_b300_expert_gemms_are_native_mxfp8():
     # companion: on an H100 (no block-scaled GEMM) the expert GEMM emulates MXFP8, and
     # the check finds no native call
     cfg = _config(moe={"expert_precision": "mxfp8"}).moe
-    from jaxmoe.kernels import Kernels
+    from jaxmoe.ops.kernels import Kernels
     h100 = Kernels.of(virtual_devices("h100", 1))
     assert not h100.native_mxfp8 and Kernels.of(virtual_devices("b300", 1)).native_mxfp8
 
@@ -354,7 +354,7 @@ def test_attention_is_cudnn_flash_attention():
         assert _score_buffers(program, L) == []
     # companion: XLA's attention (what fp32 compute gets: cuDNN's kernel takes 16-bit
     # inputs only) holds [B, H, L, L] scores, and the check finds them
-    from jaxmoe.kernels import Kernels
+    from jaxmoe.ops.kernels import Kernels
     h100 = Kernels.of(virtual_devices("h100", 1))
     assert h100.attention(_config(model={"compute_dtype": "float32"}).model) == "xla"
     # heads past 128: JAX checks cuDNN's limit against the tracing host's GPU, so a
@@ -381,7 +381,7 @@ def test_latent_attention_is_cudnn_flash_attention(target):
     cuDNN's fused kernel forward and backward in every layer and the MTP module's,
     which takes heads up to 256 from Hopper on once the trace asks as the target's
     GPU (`targets.traced_on`, as the planner compiles), and no [L, L] scores."""
-    from jaxmoe.kernels import Kernels
+    from jaxmoe.ops.kernels import Kernels
     from jaxmoe.plan.targets import traced_on
 
     program, cfg = _compiled(target, **MLA)
@@ -662,7 +662,7 @@ def test_expert_exchanges_run_beside_compute(monkeypatch):
     `ragged`; with XLA's default scheduling some of `ragged`'s run synchronously.
     (Which kernels land in a window is the scheduler's choice: benchmarks/RESULTS.md
     counts the windows that hold a GEMM.)"""
-    from jaxmoe.kernels import Kernels
+    from jaxmoe.ops.kernels import Kernels
     from jaxmoe.plan.roofline import Link, roofline, row_exchanges
     from jaxmoe.plan.targets import TARGETS
 

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.kernels import Kernels
 from jaxmoe.ops.grouped_gemm import grouped_matmul
+from jaxmoe.ops.kernels import Kernels
 
 I, O = 24, 40  # a GEMM's inputs and outputs
 ROWS = [0, 1, 37, 0, 26, 9]  # empty, one row, unaligned starts (1, 38, 64)

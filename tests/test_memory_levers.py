@@ -13,11 +13,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxmoe.checkpoint import abstract_target
 from jaxmoe.config import ConfigError, MeshConfig, config_from_dict
 from jaxmoe.model.transformer import Transformer
 from jaxmoe.parallel import ddp
-from jaxmoe.checkpoint import abstract_target
-from jaxmoe.sharding import make_mesh
+from jaxmoe.parallel.sharding import make_mesh
 from jaxmoe.step import build_steps
 
 U_BF16 = 2.0 ** -8  # bf16's unit roundoff: 8 significant bits, round to nearest

@@ -314,7 +314,7 @@ def test_router_jitter_only_with_a_key_and_a_positive_setting():
 def _first_step_losses(jitter):
     """Loss of one train step from the same state at steps 0, 0 and 1, and eval's ce."""
     from jaxmoe.eval import heldout
-    from jaxmoe.sharding import make_mesh
+    from jaxmoe.parallel.sharding import make_mesh
     from jaxmoe.step import build_steps
     cfg = config_from_dict({
         "model": {"d_model": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},

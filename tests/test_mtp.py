@@ -198,7 +198,7 @@ def _lm_head_flops(cfg, monkeypatch=None, whole_rows=False):
     from jaxmoe.parallel.layout import DeviceLayout as Layout
     from jaxmoe.plan.hlo import Program
     from jaxmoe.plan.program_flops import program_flops
-    from jaxmoe.sharding import make_mesh
+    from jaxmoe.parallel.sharding import make_mesh
     from jaxmoe.step import build_steps
 
     if whole_rows:

@@ -19,9 +19,9 @@ import pytest
 from jaxmoe import checkpoint
 from jaxmoe.config import ConfigError, MeshConfig, load_config
 from jaxmoe.data.corpus import load_corpus
-from jaxmoe.distributed import DistributedError, PeerWatch, Processes, add_arguments, settings
 from jaxmoe.launch import free_port, process_env
-from jaxmoe.sharding import AXES, device_grid, make_mesh, mesh_shape, process_rows
+from jaxmoe.parallel.sharding import AXES, device_grid, make_mesh, mesh_shape, process_rows
+from jaxmoe.runtime.distributed import DistributedError, PeerWatch, Processes, add_arguments, settings
 from jaxmoe.step import build_steps
 from jaxmoe.train import main, train
 

@@ -13,9 +13,10 @@ from optax.contrib import MuonDimensionNumbers, muon as optax_muon
 
 import jaxmoe
 from jaxmoe.config import ConfigError, config_from_dict
-from jaxmoe.muon import MATRICES, orthogonalized, view_of
-from jaxmoe.optim import assignment, make_optimizer, param_name
-from jaxmoe.sharding import AXES, make_mesh
+from jaxmoe.optim import make_optimizer
+from jaxmoe.optim.muon import MATRICES, assignment, orthogonalized, view_of
+from jaxmoe.optim.params import param_name
+from jaxmoe.parallel.sharding import AXES, make_mesh
 from jaxmoe.step import build_steps
 from jaxmoe.step.program import DeviceProgram
 

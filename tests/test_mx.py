@@ -296,7 +296,7 @@ def test_mxfp8_experts_under_ep_match_one_device(dispatcher):
     """MXFP8 blocks run along each row's D, so where a token is computed does not change
     what it sees: EP over 4 expert ranks gives the grouped result."""
     from jaxmoe.config import MeshConfig, MoEConfig
-    from jaxmoe.sharding import make_mesh
+    from jaxmoe.parallel.sharding import make_mesh
     mx = MoEConfig(num_experts=8, top_k=2, expert_hidden=64, capacity_factor=4.0,
                    dispatcher="grouped", expert_precision="mxfp8")
     v_mx, g_mx = _expert_grads(mx)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxmoe.fake_devices import without_fake_devices
+from jaxmoe.runtime.fake_devices import without_fake_devices
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")

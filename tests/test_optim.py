@@ -12,8 +12,10 @@ import pytest
 
 from jaxmoe import checkpoint
 from jaxmoe.config import ConfigError, OptimizerConfig, config_from_dict
-from jaxmoe.optim import decay_mask, learning_rate_schedule, make_optimizer
-from jaxmoe.sharding import make_mesh
+from jaxmoe.optim import make_optimizer
+from jaxmoe.optim.params import decay_mask
+from jaxmoe.optim.schedules import learning_rate_schedule
+from jaxmoe.parallel.sharding import make_mesh
 from jaxmoe.step import apply_gradients, build_steps
 
 from poison import poison_loss, poisoned

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import config_from_dict
-from jaxmoe.step.overflow import Overflow, OverflowSteps, ladder
-from jaxmoe.sharding import make_mesh
+from jaxmoe.parallel.sharding import make_mesh
 from jaxmoe.step import build_steps
+from jaxmoe.step.overflow import Overflow, OverflowSteps, ladder
 
 BASE = {
     "model": {"d_model": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,

@@ -15,11 +15,11 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from jaxmoe.checkpoint import abstract_target
 from jaxmoe.config import ConfigError, config_from_dict
+from jaxmoe.model.transformer import Transformer
 from jaxmoe.parallel.layout import layout_for
 from jaxmoe.parallel.pipeline import StageStack, bubble_fraction
+from jaxmoe.parallel.sharding import make_mesh, per_device_shapes
 from jaxmoe.plan.program_flops import program_flops
-from jaxmoe.sharding import make_mesh, per_device_shapes
-from jaxmoe.model.transformer import Transformer
 from jaxmoe.step import build_steps
 
 from model_order import in_model_order, same_init

@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 
 import jaxmoe
-from jaxmoe import qk_clip
 from jaxmoe.config import ConfigError, config_from_dict
 from jaxmoe.model.attention import MAX_LOGIT, Attention, max_logits
 from jaxmoe.model.mla import LatentAttention
-from jaxmoe.sharding import AXES, make_mesh
+from jaxmoe.optim import qk_clip
+from jaxmoe.parallel.sharding import AXES, make_mesh
 from jaxmoe.step import build_steps
 
 from model_order import in_model_order

@@ -18,7 +18,7 @@ from jaxmoe.config import ConfigError, TrainConfig, config_from_dict
 from jaxmoe.model import remat
 from jaxmoe.model.transformer import Transformer
 from jaxmoe.parallel.layout import layout_for
-from jaxmoe.sharding import make_mesh
+from jaxmoe.parallel.sharding import make_mesh
 
 TOKENS = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
 # per layer: q, k, v projections and the core's output; both expert GEMMs' outputs;

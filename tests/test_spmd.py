@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.eval import heldout
 from jaxmoe.checkpoint import abstract_target
 from jaxmoe.config import ConfigError, MeshConfig, config_from_dict, override_config
+from jaxmoe.eval import heldout
+from jaxmoe.parallel.sharding import fraction_per_device, make_mesh, per_device_shapes
 from jaxmoe.plan.collectives import compiled_collective_bytes, compiled_collectives, totals
-from jaxmoe.sharding import fraction_per_device, make_mesh, per_device_shapes
 from jaxmoe.step import build_steps
 
 from model_order import in_model_order, same_init

@@ -22,7 +22,7 @@ from jaxmoe.config import Config, ConfigError
 from jaxmoe.eval.harness import (EvalError, JaxmoeLM, Scorer, encode_request, import_lm_eval,
                                  load_tasks, quiet, request_row, row_lengths, set_fewshot)
 from jaxmoe.data.tokenizer import Tokenizer
-from jaxmoe.sharding import axis_size
+from jaxmoe.parallel.sharding import axis_size
 
 PREFIX = "downstream"
 STDERR_DRAWS = 100  # bootstrap draws for metrics with no closed-form standard error

@@ -45,8 +45,8 @@ from tqdm import tqdm
 from jaxmoe import checkpoint
 from jaxmoe.checkpoint import CheckpointError
 from jaxmoe.config import Config, ConfigError, override_config
-from jaxmoe.sharding import from_whole
 from jaxmoe.data.tokenizer import Tokenizer, TokenizerError
+from jaxmoe.parallel.sharding import from_whole
 
 try:  # the class exists without lm-eval; using it then says what to install
     # lm-eval's own models first: its registry lists them only while it is empty
@@ -381,7 +381,7 @@ def eval_config(saved: Config, batch_size: int, max_length: int, overrides=()) -
     device present and rows split over them (unless `overrides` split experts or
     stages), max_length-long rows, `batch_size` of them a step rounded up to a whole
     number per row shard."""
-    from jaxmoe.sharding import make_mesh
+    from jaxmoe.parallel.sharding import make_mesh
 
     local = ["moe.dispatcher=grouped"] if saved.num_moe_layers else []
     cfg = override_config(saved, [

@@ -23,8 +23,8 @@ import numpy as np
 
 from jaxmoe.data.batches import heldout_batches
 from jaxmoe.data.corpus import Corpus
-from jaxmoe.sharding import from_whole
 from jaxmoe.data.tokenizer import BYTE_VOCAB, Tokenizer
+from jaxmoe.parallel.sharding import from_whole
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ The local dispatchers share one signature,
     dispatcher(x_TxD, routing, weights, cfg, kernels) -> Dispatched(y_TxD, dropped)
 
 so the router and the experts never change when one is added (`kernels`: what
-the target runs, `jaxmoe.kernels`; None: the default device's). `dense` (every expert on every token) is the
+the target runs, `jaxmoe.ops.kernels`; None: the default device's). `dense` (every expert on every token) is the
 reference; `grouped` packs the copies into fixed per-expert buffers for a batched
 GEMM. The expert-parallel dispatchers (`jaxmoe.parallel.ep_dispatch`) share the
 signature; the layout the model runs in chooses one by name (`Layout.dispatch`).
@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.kernels import Kernels
 from jaxmoe.model.experts import ExpertWeights, expert_ffn, expert_rows_ffn
 from jaxmoe.model.router import Routing
+from jaxmoe.ops.kernels import Kernels
 
 
 class Dispatched(NamedTuple):

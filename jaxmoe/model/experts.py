@@ -11,10 +11,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.kernels import Kernels
 from jaxmoe.model.layers import param
 from jaxmoe.model.remat import EXPERT_DOWN, EXPERT_GATE_UP
 from jaxmoe.ops.grouped_gemm import grouped_matmul
+from jaxmoe.ops.kernels import Kernels
 from jaxmoe.ops.mx import MXWeight, mx_linear, quantize_weight
 
 

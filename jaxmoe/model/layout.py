@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.kernels import Kernels
 from jaxmoe.model.dispatch import LOCAL, Dispatched, Dispatcher
+from jaxmoe.ops.kernels import Kernels
 
 
 class LocalLayout:

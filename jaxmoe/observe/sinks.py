@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmoe import distributed
 from jaxmoe.config import Config, ConfigError
+from jaxmoe.runtime import distributed
 
 PACKAGES = {"tensorboard": "tensorboardX", "wandb": "wandb"}
 # The W&B run's id, written when the run is created; a training run that resumes in

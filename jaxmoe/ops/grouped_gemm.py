@@ -35,7 +35,7 @@ import shutil
 import jax
 from jax import lax
 
-from jaxmoe.kernels import Kernels
+from jaxmoe.ops.kernels import Kernels
 from jaxmoe.ops.vma import varying_axes, vary
 
 IMPLEMENTATIONS = ("mosaic", "triton", "xla")

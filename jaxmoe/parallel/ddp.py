@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxmoe.ops.vma import vary
-from jaxmoe.sharding import spec_axes
+from jaxmoe.parallel.sharding import spec_axes
 
 
 @dataclass(frozen=True)

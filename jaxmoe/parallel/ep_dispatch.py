@@ -45,7 +45,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.kernels import Kernels
+from jaxmoe.ops.kernels import Kernels
 from jaxmoe.model.dispatch import (Dispatched, buffer_slots, capacity, combine_rows, gather_rows,
                                    packed_slots, routed_copies)
 from jaxmoe.model.experts import ExpertWeights, expert_ffn, expert_rows_ffn

@@ -34,16 +34,16 @@ from jax import lax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmoe import sharding
 from jaxmoe.config import Config, ConfigError, MoEConfig, check_expert_split
-from jaxmoe.kernels import Kernels
 from jaxmoe.model.dispatch import LOCAL, Dispatched
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
 from jaxmoe.model.router import Routing
 from jaxmoe.model.transformer import in_moe_stack, map_moe_stack
+from jaxmoe.ops.kernels import Kernels
+from jaxmoe.parallel import sharding
 from jaxmoe.parallel import context, ep_dispatch
 from jaxmoe.parallel.pipeline import StageStack, device_pipeline, pipeline
-from jaxmoe.sharding import BATCH_AXES, TOKEN_AXES, axis_size
+from jaxmoe.parallel.sharding import BATCH_AXES, TOKEN_AXES, axis_size
 
 
 def dispatch_on_mesh(x_TxD, routing, weights, cfg: MoEConfig, mesh: Mesh | None) -> Dispatched:

@@ -48,7 +48,7 @@ from jaxmoe.model.moe import MEAN_STATS
 from jaxmoe.model.remat import REMAT_POLICIES, keeping_layer_inputs
 from jaxmoe.model.transformer import scan_layers
 from jaxmoe.parallel.ddp import Sharded
-from jaxmoe.sharding import BATCH_AXES
+from jaxmoe.parallel.sharding import BATCH_AXES
 
 
 def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:

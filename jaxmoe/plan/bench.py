@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.fake_devices import FLAG
 from jaxmoe.model.layers import swiglu
 from jaxmoe.model.moe import MoE
+from jaxmoe.runtime.fake_devices import FLAG
 
 
 class Subcommand(NamedTuple):
@@ -212,7 +212,7 @@ class StepCase(NamedTuple):
 def _train_step_case(config: str, overrides: list[str], num_devices: int = 8) -> StepCase:
     """One train step of `config` on the first `num_devices` devices, as a thunk."""
     from jaxmoe.config import load_config
-    from jaxmoe.sharding import make_mesh
+    from jaxmoe.parallel.sharding import make_mesh
     from jaxmoe.step import build_steps
 
     if jax.device_count() < num_devices:

@@ -31,9 +31,9 @@ import os
 import sys
 import tempfile
 
-from jaxmoe.fake_devices import cpu_devices_env
-from jaxmoe.plan.targets import EXTRA, TARGETS, gpu_compiler_available
 from jaxmoe.config import FLOP_COUNTS, MESH_AXES as AXES
+from jaxmoe.plan.targets import EXTRA, TARGETS, gpu_compiler_available
+from jaxmoe.runtime.fake_devices import cpu_devices_env
 
 # expert GEMM work relative to forward: the backward pass does two GEMMs per forward one
 _PASS_WEIGHT = {"forward": 1, "backward": 2, "recompute": 1}
@@ -117,7 +117,7 @@ def compile_train_step(cfg, target: str | None = None, hosts: int | None = None,
     import jax.numpy as jnp
 
     from jaxmoe import checkpoint
-    from jaxmoe.sharding import make_mesh
+    from jaxmoe.parallel.sharding import make_mesh
     from jaxmoe.step import build_steps
     from jaxmoe.plan.targets import compile_deviceless, traced_on, virtual_devices
 
@@ -346,8 +346,8 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
 
 
 def step_kernels(mesh, cfg) -> dict:
-    """The device-dependent choices the compiled step made (`jaxmoe.kernels`)."""
-    from jaxmoe.kernels import Kernels
+    """The device-dependent choices the compiled step made (`jaxmoe.ops.kernels`)."""
+    from jaxmoe.ops.kernels import Kernels
     from jaxmoe.plan.targets import traced_on
     k = Kernels.of_mesh(mesh)
     ragged = cfg.num_moe_layers and cfg.moe.dispatcher == "ragged"

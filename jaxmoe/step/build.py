@@ -19,14 +19,17 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmoe import qk_clip, sharding
+from jaxmoe.parallel import sharding
 from jaxmoe.config import Config, ConfigError, dropless
 from jaxmoe.model.attention import MAX_LOGIT
 from jaxmoe.model.router import update_expert_bias
 from jaxmoe.model.transformer import Transformer
-from jaxmoe.optim import (learning_rate_schedule, make_optimizer, param_names, unmatched_patterns, updates_are_elementwise)
+from jaxmoe.optim import make_optimizer, qk_clip
+from jaxmoe.optim.optax_bridge import updates_are_elementwise
+from jaxmoe.optim.params import param_names, unmatched_patterns
+from jaxmoe.optim.schedules import learning_rate_schedule
 from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
-from jaxmoe.sharding import BATCH_AXES
+from jaxmoe.parallel.sharding import BATCH_AXES
 from jaxmoe.step.loss import (accumulate_gradients, make_loss_fn, make_score_fn, overflowed_buffers,
                               step_metrics, tokens_after, with_tokens_after)
 from jaxmoe.step.program import AutoProgram, DeviceProgram, sharded_master

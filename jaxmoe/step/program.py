@@ -19,17 +19,17 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmoe import sharding
 from jaxmoe.config import Config
 from jaxmoe.model.attention import MAX_STATS
 from jaxmoe.model.moe import MEAN_STATS
 from jaxmoe.model.transformer import in_moe_stack
-from jaxmoe.muon import on_one_device
 from jaxmoe.ops.vma import vary
-from jaxmoe.optim import param_name
+from jaxmoe.optim.muon import on_one_device
+from jaxmoe.optim.params import param_name
+from jaxmoe.parallel import sharding
 from jaxmoe.parallel import context, ddp
 from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
-from jaxmoe.sharding import TOKEN_AXES
+from jaxmoe.parallel.sharding import TOKEN_AXES
 
 
 # per-shard means among the losses' aux: totalled over shards, they are divided by their count

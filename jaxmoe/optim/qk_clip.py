@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import Config
-from jaxmoe.optim import param_name
+from jaxmoe.optim.params import param_name
 
 # where each kind of stack keeps its attention
 STACKS = ("dense_layers/attn/", "moe_layers/attn/", "mtp_layers/block/attn/")

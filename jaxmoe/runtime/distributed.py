@@ -30,7 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from jaxmoe.sharding import describe, process_rows
+from jaxmoe.parallel.sharding import describe, process_rows
 
 ENV = {"coordinator": "JAXMOE_COORDINATOR", "num_processes": "JAXMOE_NUM_PROCESSES",
        "process_id": "JAXMOE_PROCESS_ID", "peer_timeout": "JAXMOE_PEER_TIMEOUT"}
