@@ -160,6 +160,20 @@ class Saver:
     def close(self) -> None:
         logging.getLogger("absl").removeFilter(self._capture)
 
+    def __enter__(self) -> Saver:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        """However the run leaves: the save in flight completes (a failed one raises),
+        unless a save's failure is what ends it (its writers are past already, and the
+        log filter stays, so the run ends with that one error)."""
+        if self.error is not None:
+            return
+        try:
+            self.finish()
+        finally:
+            self.close()
+
     def _fail(self):
         # the failed save's other writers end first (their errors, logged, dropped);
         # the filter stays: the run ends with this error

@@ -2,10 +2,10 @@
 
 A run resumes by itself from the latest complete checkpoint in its run
 directory; `--resume` insists that there is one. The same command runs as one of
-several processes (see `jaxmoe.distributed`); process 0 writes the logs.
+several processes (see `jaxmoe.runtime.distributed`); process 0 writes the logs.
 
 Before anything compiles, process 0 checks that it can write the run directory,
-with room for a checkpoint, and takes its lock (`jaxmoe.run_lock`): one training
+with room for a checkpoint, and takes its lock (`jaxmoe.runtime.run_lock`): one training
 per run directory. A checkpoint is never saved from inside a streak of skipped
 non-finite steps, and one whose weights started a streak that stops the run is
 set aside as diverged.
@@ -153,7 +153,7 @@ def _unwritable(directory: Path, e: OSError) -> CheckpointError:
 
 
 def take_run_dir(steps) -> RunLock | None:
-    """One training per run directory: process 0 takes its lock (`jaxmoe.run_lock`)
+    """One training per run directory: process 0 takes its lock (`jaxmoe.runtime.run_lock`)
     before anything is written, after checking it can write there; every process
     stops if it cannot. Returns the lock to release (None on other processes)."""
     run_dir = Path(steps.cfg.train.run_dir).absolute()
@@ -238,10 +238,140 @@ def _train(cfg: Config, corpus: Corpus, steps, tokenizer, stop_after: int | None
         downstream = Downstream(cfg, steps, tokenizer)
     run_dir = Path(t.run_dir)
     ckpt_dir = checkpoint.checkpoint_dir(run_dir)
+    main = distributed.is_main()
+    state, data_state, start = _start(cfg, corpus, steps, tokenizer, init_weights,
+                                      accept_new_data, ckpt_dir, main)
+    block, blocks = process_rows(steps.batch_sharding, t.batch_size)
+    batches = BatchIterator(corpus.train, t.batch_size, t.seq_len, seed=t.seed,
+                            process_index=block, process_count=blocks,
+                            start_step=data_state["step"])
+    eval_sets, too_short = heldout.heldout_sets(corpus, tokenizer, t.batch_size, t.seq_len,
+                                                t.eval_batches)
+
+    def evaluations(state, losses: bool, tasks: bool) -> dict:
+        record = heldout.evaluate(steps, state, eval_sets) if losses else {}
+        return record | (downstream(state) if tasks and downstream else {})
+
+    summary = {"run_dir": str(run_dir.absolute())}
+    # the monitor and the saver close on every way out; the saver first, so that the
+    # last save is complete before the final evaluation is logged
+    with Monitor(run_dir, t.steps, start, cfg.logging.progress,
+                 sinks.open_sinks(cfg, run_dir, resuming=start > 0), active=main) as monitor:
+        if jax.process_count() > 1:
+            monitor.write(distributed.layout(steps.batch_sharding, t.batch_size))
+        if too_short:
+            monitor.write(f"no held-out loss of {', '.join(too_short)}: no held-out shard of "
+                          f"seq_len + 1 = {t.seq_len + 1} tokens")
+        for note in downstream.notes if downstream else []:
+            monitor.write(note)
+        if start:
+            monitor.write(f"resumed from step {start} in {ckpt_dir}"
+                          f"{set_aside_note(ckpt_dir, start)}")
+        else:
+            first = evaluations(state, True, True)
+            summary["heldout_loss_initial"] = first["eval_ce"]
+            monitor.log({"step": 0, **first})
+        tokens_per_step = t.batch_size * t.seq_len
+        model_flops = flops_per_token(cfg)
+        peak = Peak.of(steps.mesh.devices.flat)
+        kind = steps.mesh.devices.flat[0].device_kind
+        monitor.write("MFU against " + (peak.source if peak else f"no known peak for {kind}"))
+        profile = ProfileWindow(run_dir / "profile", cfg.logging.profile_steps)
+        if profile.span and start >= profile.span[1]:
+            monitor.write(f"logging.profile_steps {list(profile.span)}: this run resumes after "
+                          "the window; no trace")
+        train_step = OverflowSteps(steps)  # moe.on_overflow
+        clock, last_step, record, stop = StepClock(), start, {}, None
+        save_due = False  # a checkpoint waits out a streak of non-finite steps
+        end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+        if cfg.data.prefetch:  # started last: nothing that could fail comes between it and its end
+            batches = Prefetcher(batches, cfg.data.prefetch)
+        with checkpoint.Saver(run_dir, cfg) as saver:
+            # the prefetch thread ends with the loop
+            with StopSignals() as signals, batches, profile:
+                for step in range(start + 1, end + 1):
+                    with clock.timed("data"):
+                        batch = global_batch(steps, next(batches))
+                    if profile.starts_at(step):
+                        jax.block_until_ready(state)
+                        profile.start()
+                    with profile.annotate(step):
+                        # moe.on_overflow: raise ends the run here; the last checkpoint stays
+                        state, metrics = train_step(state, batch)
+                    saver.check()  # a failed save in the background ends the run here
+                    if profile.ends_at(step):
+                        jax.block_until_ready(state)
+                        with clock.timed("host"):  # writing the trace files
+                            profile.stop()
+                    if step % cfg.logging.log_every == 0 or step == end:
+                        record = {"step": step, **to_python(metrics)}  # waits for this step
+                        times = clock.split(step - last_step)
+                        with clock.timed("host"):
+                            record["tokens_per_s"] = tokens_per_step / times["step_time_s"]
+                            record |= throughput(model_flops, record["tokens_per_s"],
+                                                 steps.mesh.size, peak,
+                                                 fp8=cfg.moe.expert_precision == "mxfp8")
+                            record |= memory() | times
+                            record |= {f"data_{k}": v for k, v in batches.progress(step).items()}
+                            monitor.log(record)
+                            monitor.progress(step - last_step, record)
+                        last_step = step
+                        if record["bad_steps"] >= t.max_bad_steps:
+                            raise TooManyBadSteps(diverged(ckpt_dir, step, int(record["bad_steps"]),
+                                                           t.max_bad_steps))
+                    with clock.timed("host"):
+                        losses = bool(t.eval_every) and step % t.eval_every == 0 and step != t.steps
+                        tasks = downstream is not None and downstream.due(step) and step != t.steps
+                        if losses or tasks:
+                            monitor.log({"step": step, **evaluations(state, losses, tasks)})
+                        save_due |= bool(cfg.checkpoint.every) and step % cfg.checkpoint.every == 0
+                        if save_due and step != end:
+                            save_due = not saver.save_good(state, data_of(batches, corpus), steps)
+                    check = jax.process_count() == 1 or step % cfg.logging.log_every == 0
+                    if check and distributed.any_process(signals.received is not None):
+                        stop = signals.received or "a signal to another process"
+                        break
+            if int(state.step) not in saver.all_steps() and not saver.save_good(
+                    state, data_of(batches, corpus), steps) and main:
+                kept = checkpoint.complete_steps(ckpt_dir)
+                print(f"no checkpoint of step {int(state.step)}: its weights gave the last "
+                      f"{int(state.bad_steps)} steps a non-finite loss; "
+                      + (f"the newest checkpoint is step {kept[-1]}" if kept
+                         else "no checkpoint kept"), file=sys.stderr)
+        summary |= {"step": int(state.step), "tokens_per_s": record.get("tokens_per_s")}
+        stopped = stop or int(state.step) < t.steps
+        if not stopped:
+            final = evaluations(state, True, True)
+            monitor.log({"step": t.steps, **final})
+    if stopped:
+        why = f"on {stop}" if stop else f"after {stop_after} steps (--stop-after)"
+        summary["stopped_by"] = signals.received or ("SIGTERM" if stop else None)
+        if main:
+            kept = checkpoint.complete_steps(ckpt_dir)
+            print(f"stopped {why} at step {int(state.step)}; "
+                  + (f"checkpoint {kept[-1]} in {ckpt_dir}" if kept else "no checkpoint"))
+        return summary
+    summary |= {"heldout_loss": final["eval_ce"], **final}
+    if main:
+        tasks = "".join(f"; {key.removeprefix('downstream/').replace('/', ' ')} {value:.3f}"
+                        for key, value in final.items()
+                        if key.startswith("downstream/") and key.endswith(("/acc", "/acc_norm")))
+        bits = f" ({final['eval_bpb']:.3f} bits per byte)" if "eval_bpb" in final else ""
+        print(f"held-out loss {final['eval_ce']:.4f}{bits}{tasks}; outputs in "
+              f"{run_dir.absolute()} (metrics.jsonl, config.yaml, checkpoints/)")
+    return summary
+
+
+def _start(cfg: Config, corpus: Corpus, steps, tokenizer, init_weights: dict | None,
+           accept_new_data: bool, ckpt_dir: Path, main: bool) -> tuple:
+    """(state, data position, step): restored from the latest checkpoint that reads back,
+    or made from the seed (and `init_weights`); the run's config and tokenizer written
+    beside its checkpoints, damaged ones set aside."""
+    t, run_dir = cfg.train, Path(cfg.train.run_dir)
     saved = checkpoint.complete_steps(ckpt_dir)
     distributed.check_same(saved[-1] if saved else -1, f"the latest checkpoint step in {ckpt_dir} "
                            "(-1: none); the run directory must be shared by all processes")
-    main, damaged = distributed.is_main(), []
+    damaged = []
     if main and cfg.optimizer.name == "muon":
         print(describe(abstract_model(cfg)[1], cfg.optimizer.adamw_params), flush=True)
     if main:  # the first run of each program compiles it: tens of seconds of silence
@@ -266,129 +396,7 @@ def _train(cfg: Config, corpus: Corpus, steps, tokenizer, stop_after: int | None
         for step, why in damaged:  # out of the way of this run's saves, never deleted
             print(f"set aside damaged checkpoint {ckpt_dir / str(step)} as "
                   f"{checkpoint.set_aside(ckpt_dir, step).name}", file=sys.stderr)
-
-    block, blocks = process_rows(steps.batch_sharding, t.batch_size)
-    batches = BatchIterator(corpus.train, t.batch_size, t.seq_len, seed=t.seed,
-                            process_index=block, process_count=blocks,
-                            start_step=data_state["step"])
-    eval_sets, too_short = heldout.heldout_sets(corpus, tokenizer, t.batch_size, t.seq_len,
-                                                t.eval_batches)
-    saver = checkpoint.Saver(run_dir, cfg)
-    monitor = Monitor(run_dir, t.steps, start, cfg.logging.progress,
-                      sinks.open_sinks(cfg, run_dir, resuming=start > 0), active=main)
-    if jax.process_count() > 1:
-        monitor.write(distributed.layout(steps.batch_sharding, t.batch_size))
-    if too_short:
-        monitor.write(f"no held-out loss of {', '.join(too_short)}: no held-out shard of "
-                      f"seq_len + 1 = {t.seq_len + 1} tokens")
-    for note in downstream.notes if downstream else []:
-        monitor.write(note)
-
-    def evaluations(state, losses: bool, tasks: bool) -> dict:
-        record = heldout.evaluate(steps, state, eval_sets) if losses else {}
-        return record | (downstream(state) if tasks and downstream else {})
-
-    summary = {"run_dir": str(run_dir.absolute())}
-    if start:
-        monitor.write(f"resumed from step {start} in {ckpt_dir}{set_aside_note(ckpt_dir, start)}")
-    else:
-        first = evaluations(state, True, True)
-        summary["heldout_loss_initial"] = first["eval_ce"]
-        monitor.log({"step": 0, **first})
-    tokens_per_step = t.batch_size * t.seq_len
-    model_flops = flops_per_token(cfg)
-    peak = Peak.of(steps.mesh.devices.flat)
-    monitor.write("MFU against " + (peak.source if peak else
-                                    f"no known peak for {steps.mesh.devices.flat[0].device_kind}"))
-    profile = ProfileWindow(run_dir / "profile", cfg.logging.profile_steps)
-    if profile.span and start >= profile.span[1]:
-        monitor.write(f"logging.profile_steps {list(profile.span)}: this run resumes after "
-                      "the window; no trace")
-    train_step = OverflowSteps(steps)  # moe.on_overflow
-    clock, last_step, record, stop = StepClock(), start, {}, None
-    save_due = False  # a checkpoint waits out a streak of non-finite steps
-    end = t.steps if stop_after is None else min(t.steps, start + stop_after)
-    if cfg.data.prefetch:  # started last: nothing that could fail comes between it and its end
-        batches = Prefetcher(batches, cfg.data.prefetch)
-    with StopSignals() as signals, batches, profile:  # the prefetch thread ends with the loop
-        for step in range(start + 1, end + 1):
-            with clock.timed("data"):
-                batch = global_batch(steps, next(batches))
-            if profile.starts_at(step):
-                jax.block_until_ready(state)
-                profile.start()
-            with profile.annotate(step):
-                try:
-                    state, metrics = train_step(state, batch)
-                except Overflow:  # moe.on_overflow: raise; the last checkpoint stays
-                    monitor.close()
-                    saver.finish()
-                    raise
-            saver.check()  # a failed save in the background ends the run here
-            if profile.ends_at(step):
-                jax.block_until_ready(state)
-                with clock.timed("host"):  # writing the trace files
-                    profile.stop()
-            if step % cfg.logging.log_every == 0 or step == end:
-                record = {"step": step, **to_python(metrics)}  # waits for this step
-                times = clock.split(step - last_step)
-                with clock.timed("host"):
-                    record["tokens_per_s"] = tokens_per_step / times["step_time_s"]
-                    record |= throughput(model_flops, record["tokens_per_s"], steps.mesh.size, peak,
-                                         fp8=cfg.moe.expert_precision == "mxfp8")
-                    record |= memory() | times
-                    record |= {f"data_{k}": v for k, v in batches.progress(step).items()}
-                    monitor.log(record)
-                    monitor.progress(step - last_step, record)
-                last_step = step
-                if record["bad_steps"] >= t.max_bad_steps:
-                    monitor.close()
-                    saver.finish()
-                    raise TooManyBadSteps(diverged(ckpt_dir, step, int(record["bad_steps"]),
-                                                   t.max_bad_steps))
-            with clock.timed("host"):
-                losses = bool(t.eval_every) and step % t.eval_every == 0 and step != t.steps
-                tasks = downstream is not None and downstream.due(step) and step != t.steps
-                if losses or tasks:
-                    monitor.log({"step": step, **evaluations(state, losses, tasks)})
-                save_due |= bool(cfg.checkpoint.every) and step % cfg.checkpoint.every == 0
-                if save_due and step != end:
-                    save_due = not saver.save_good(state, data_of(batches, corpus), steps)
-            check = jax.process_count() == 1 or step % cfg.logging.log_every == 0
-            if check and distributed.any_process(signals.received is not None):
-                stop = signals.received or "a signal to another process"
-                break
-    if int(state.step) not in saver.all_steps() and not saver.save_good(
-            state, data_of(batches, corpus), steps) and main:
-        kept = checkpoint.complete_steps(ckpt_dir)
-        print(f"no checkpoint of step {int(state.step)}: its weights gave the last "
-              f"{int(state.bad_steps)} steps a non-finite loss; "
-              + (f"the newest checkpoint is step {kept[-1]}" if kept else "no checkpoint kept"),
-              file=sys.stderr)
-    saver.finish()
-    saver.close()
-    summary |= {"step": int(state.step), "tokens_per_s": record.get("tokens_per_s")}
-    if stop or int(state.step) < t.steps:
-        monitor.close()
-        why = f"on {stop}" if stop else f"after {stop_after} steps (--stop-after)"
-        summary["stopped_by"] = signals.received or ("SIGTERM" if stop else None)
-        if main:
-            kept = checkpoint.complete_steps(ckpt_dir)
-            print(f"stopped {why} at step {int(state.step)}; "
-                  + (f"checkpoint {kept[-1]} in {ckpt_dir}" if kept else "no checkpoint"))
-        return summary
-    final = evaluations(state, True, True)
-    monitor.log({"step": t.steps, **final})
-    monitor.close()
-    summary |= {"heldout_loss": final["eval_ce"], **final}
-    if main:
-        tasks = "".join(f"; {key.removeprefix('downstream/').replace('/', ' ')} {value:.3f}"
-                        for key, value in final.items()
-                        if key.startswith("downstream/") and key.endswith(("/acc", "/acc_norm")))
-        bits = f" ({final['eval_bpb']:.3f} bits per byte)" if "eval_bpb" in final else ""
-        print(f"held-out loss {final['eval_ce']:.4f}{bits}{tasks}; outputs in "
-              f"{run_dir.absolute()} (metrics.jsonl, config.yaml, checkpoints/)")
-    return summary
+    return state, data_state, start
 
 
 def profile_override(span: str | None) -> list[str]:

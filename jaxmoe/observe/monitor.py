@@ -49,6 +49,7 @@ class Monitor:
             superseded(run_dir / "metrics.jsonl", start_step)
         self.file = open(run_dir / "metrics.jsonl", "a") if active else None
         self.sinks = list(sinks)  # see jaxmoe.observe.sinks
+        self.closed = False
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not (progress and active),
                         dynamic_ncols=True, unit="step")
         self.balance_history: list[dict] = []  # the last logged records the checks read
@@ -103,8 +104,18 @@ class Monitor:
             self.bar.write(line)
 
     def close(self) -> None:
+        """Closes the bar, the file and the sinks, once however often it is called."""
+        if self.closed:
+            return
+        self.closed = True
         self.bar.close()
         if self.active:
             self.file.close()
         for sink in self.sinks:
             sink.close()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
