@@ -553,7 +553,7 @@ def check_roofline(toy: bool) -> Result:
     once per step (its working copy's quantisations run once, outside every loop)."""
     if on_cpu():
         return Result("roofline", "SKIPPED", note="no datasheet for a CPU")
-    from jaxmoe.config import flops_per_token
+    from jaxmoe.plan.counts import flops_per_token
     from jaxmoe.plan.hlo import Program
     from jaxmoe.plan.planner import compile_train_step
     from jaxmoe.plan.roofline import Link, quantisations, roofline, row_exchanges, summary

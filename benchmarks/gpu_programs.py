@@ -53,8 +53,11 @@ PROGRAMS = {
     "47b_131k_b300": ("configs/olmoe_8layer_e128_131k.yaml", "b300", []),
 }
 try:  # the measured runs' configs, each on its own GPU (a checkout without them has none)
-    from jaxmoe.config import FLOP_COUNTS
     from jaxmoe.plan.anchors import ANCHORS, anchor_for
+    try:
+        from jaxmoe.plan.counts import FLOP_COUNTS
+    except ImportError:  # a checkout from before the counts joined the planner
+        from jaxmoe.config import FLOP_COUNTS
 except ImportError:
     FLOP_COUNTS, ANCHORS, anchor_for = (), (), lambda name: None
 PROGRAMS.update({a.config: (f"configs/{a.config}.yaml", a.target, []) for a in ANCHORS})

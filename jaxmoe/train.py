@@ -29,7 +29,8 @@ from absl import logging as absl_logging
 
 from jaxmoe import checkpoint, hf
 from jaxmoe.checkpoint import CheckpointError
-from jaxmoe.config import Config, ConfigError, flops_per_token, load_config
+from jaxmoe.config import Config, ConfigError, load_config
+from jaxmoe.plan.counts import flops_per_token
 from jaxmoe.data.batches import BatchIterator, Prefetcher
 from jaxmoe.data.corpus import Corpus, DataError, load_corpus
 from jaxmoe.data.tokenizer import RUN_SUBDIR, TokenizerError, check_vocab, load_tokenizer

@@ -413,7 +413,7 @@ def test_export_safetensors(straight, tmp_path):
     assert tensors["layers.0.mlp.w_gate_up"].shape == (32, 128)
     bias = np.asarray(buffers["moe_layers"]["moe"]["router"]["bias"][...])
     np.testing.assert_array_equal(tensors["layers.1.moe.router.bias"], bias[0])
-    from jaxmoe.config import param_counts
+    from jaxmoe.plan.counts import param_counts
     n = sum(v.size for k, v in tensors.items() if not k.endswith("router.bias"))
     assert n == param_counts(config_from_dict(SMALL)).total
     missing = subprocess.run([sys.executable, "-m", "jaxmoe.export", "--checkpoint",

@@ -26,7 +26,7 @@ def test_a_stale_page_is_named(tmp_path, monkeypatch, capsys):
     """--check names a page that differs, and one whose source changed since."""
     page = ROOT / "docs" / "reference" / "config.md"
     text = page.read_text()
-    assert "| `top_k` | int | `2` |" in text  # the default, read from jaxmoe/config.py
+    assert "| `top_k` | int | `2` |" in text  # the default, read from jaxmoe/config/sections.py
     monkeypatch.setattr(generate, "config_reference", lambda: text.replace("`2`", "`3`"))
     assert generate.main(["--check"]) == 1
     assert "docs/reference/config.md differs" in capsys.readouterr().err

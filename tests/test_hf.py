@@ -266,7 +266,7 @@ KIMI_K2 = {
 def test_kimi_k2_config_imports():
     from flax import nnx
 
-    from jaxmoe.config import param_counts
+    from jaxmoe.plan.counts import param_counts
     from jaxmoe.model.transformer import Transformer
     cfg = hf.config_from_hf(KIMI_K2)
     assert hf.family_for(cfg) == "deepseek_v3"

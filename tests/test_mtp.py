@@ -174,7 +174,7 @@ def test_the_settings_are_checked():
 
 
 def test_the_safetensors_export_names_each_module():
-    from jaxmoe.config import param_counts
+    from jaxmoe.plan.counts import param_counts
     from jaxmoe.export import named_tensors
     from jaxmoe.model.transformer import Transformer
 

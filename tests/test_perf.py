@@ -8,7 +8,8 @@ import yaml
 from jax.profiler import ProfileData
 
 from jaxmoe.observe import perf
-from jaxmoe.config import ConfigError, config_from_dict, flops_per_token
+from jaxmoe.config import ConfigError, config_from_dict
+from jaxmoe.plan.counts import flops_per_token
 from jaxmoe.train import profile_override
 
 

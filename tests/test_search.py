@@ -107,7 +107,7 @@ def test_static_bytes_by_hand():
     whole without it; under fsdp all 16 over data; an MTP module's experts split as the
     layers' are. The search's compiles check that it stays below each compiled peak
     (test_the_search_finds_what_brute_force_finds)."""
-    from jaxmoe.config import param_counts
+    from jaxmoe.plan.counts import param_counts
     cfg = config_from_dict({**RAW, "mesh": {"data": 2, "expert": 4}})
     experts = 4 * 8 * 3 * 64 * 64
     dense = param_counts(cfg).total - experts

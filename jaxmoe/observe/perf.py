@@ -1,6 +1,6 @@
 """What a run gets out of its devices: model FLOP/s and MFU, memory, where step time goes.
 
-MFU is the model's training FLOPs (`config.flops_per_token`: 6 x active matmul
+MFU is the model's training FLOPs (`jaxmoe.plan.counts.flops_per_token`: 6 x active matmul
 parameters + attention, no recompute counted) per second, over the devices' dense
 peak. The peak is the bf16 tensor-core figure from the table below (the usual
 convention, also for runs with fp8 experts, so that fp8's gain shows as a higher

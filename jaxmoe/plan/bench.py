@@ -351,7 +351,7 @@ def _step_args(p: argparse.ArgumentParser) -> None:
 @subcommand("step", _step_args,
             "model-FLOPs utilisation of a train step vs the measured dense-matmul rate")
 def bench_step(a: argparse.Namespace) -> dict:
-    from jaxmoe.config import flops_per_token
+    from jaxmoe.plan.counts import flops_per_token
 
     run, cfg, _ = _train_step_case(a.config, SMALL_MODEL + a.set, num_devices=1)
     matmul, matmul_flops = _matmul_case(a.matmul_size, jnp.dtype(cfg.model.compute_dtype))
@@ -404,7 +404,7 @@ def _update_case(cfg) -> Callable[[], object]:
 @subcommand("experts", _experts_args,
             "train-step tokens/s of the small full model at 8 vs 128 experts (top-4)")
 def bench_experts(a: argparse.Namespace) -> dict:
-    from jaxmoe.config import param_counts
+    from jaxmoe.plan.counts import param_counts
 
     runs, cfgs = {}, {}
     for E in a.experts:

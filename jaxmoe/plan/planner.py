@@ -31,7 +31,8 @@ import os
 import sys
 import tempfile
 
-from jaxmoe.config import FLOP_COUNTS, MESH_AXES as AXES
+from jaxmoe.config import MESH_AXES as AXES
+from jaxmoe.plan.counts import FLOP_COUNTS
 from jaxmoe.plan.targets import EXTRA, TARGETS, gpu_compiler_available
 from jaxmoe.runtime.fake_devices import cpu_devices_env
 
@@ -221,7 +222,8 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     compute estimate assumes. Nothing is allocated."""
     import jax
 
-    from jaxmoe.config import flops_per_token, load_config, param_counts
+    from jaxmoe.config import load_config
+    from jaxmoe.plan.counts import flops_per_token, param_counts
     from jaxmoe.plan.hlo import Program
     from jaxmoe.plan.collectives import collectives, totals
     from jaxmoe.parallel.pipeline import bubble_fraction

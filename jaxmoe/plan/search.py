@@ -27,7 +27,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from jaxmoe.config import MESH_AXES, Config, ConfigError, override_config, param_counts
+from jaxmoe.config import MESH_AXES, Config, ConfigError, override_config
+from jaxmoe.plan.counts import param_counts
 
 
 @dataclass(frozen=True)
