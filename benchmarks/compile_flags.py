@@ -3,7 +3,7 @@
     python benchmarks/compile_flags.py [--xla_flag=value ...]
 
 The step is the ddp + expert-parallel (data 2 x expert 4, alltoall) step of
-tests/test_spmd.py's model; the suite adds its XLA flags for compile speed, and
+tests/step/test_spmd.py's model; the suite adds its XLA flags for compile speed, and
 this measures what a flag buys. Prints the time to build and initialise, the first
 step's call (compile included), three more steps, and the loss (which must not
 change with a code-generation flag). Run each setting in a fresh process: the

@@ -1,5 +1,7 @@
 """Eight fake CPU devices for every test, set before jax is imported; one XLA
-compilation cache for the session; a shared tiny run."""
+compilation cache for the session; a shared tiny run. The helpers beside this file
+(`tiny_tokenizer`, `one_device`, `poison`, ...) are importable from every test folder:
+pytest puts this directory on the path with its conftest."""
 
 import atexit
 import importlib.util

@@ -140,6 +140,24 @@ def test_every_wing_says_what_it_is_for():
         assert doc, f"{path} has no docstring"
 
 
+# tests at the top of tests/ that are not one top-floor module's: the package's plan, the
+# docs, the notebooks, and the faults a training run meets (train.py's, with runtime/'s)
+WHOLE_PACKAGE_TESTS = {"floor_plan", "docs", "docs_commands", "notebooks", "faults"}
+
+
+def test_a_modules_tests_are_found_from_its_name():
+    """tests/WING/ holds the tests of jaxmoe/WING/ (one file per module, or per behaviour
+    across a wing's modules); tests/ itself those of the top floor's modules and of the
+    package as a whole."""
+    tests = Path(__file__).parent
+    wings = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders <= wings, f"test folders that are no wing of jaxmoe: {folders - wings}"
+    top = {p.stem.removeprefix("test_") for p in tests.glob("test_*.py")}
+    assert top - TOP_FLOOR <= WHOLE_PACKAGE_TESTS, top - TOP_FLOOR - WHOLE_PACKAGE_TESTS
+    assert len(list(tests.glob("*/test_*.py"))) > 30
+
+
 if __name__ == "__main__":
     edges = graph()
     back = back_arrows(edges)

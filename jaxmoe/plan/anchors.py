@@ -6,7 +6,7 @@ Each has a shipped config with the same model, sequence length, global batch,
 micro-batch per GPU, expert precision and GPU count; the layout (mesh, pipeline,
 recomputation, dispatcher) is jaxmoe's. `benchmarks/gpu_programs.py anchors` compiles
 each for its GPU and prints jaxmoe's expected figure beside the measured one, in the
-anchor's count; `tests/test_gpu_compile.py` checks each config against its row.
+anchor's count; `tests/plan/test_gpu_compile.py` checks each config against its row.
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ def test_group_limited_routing_is_deepseek_v3_s(score_func):
 
 def test_group_limited_routing_through_dense_and_grouped():
     """The groups choose the experts before dispatch: dense and grouped agree on them
-    (the expert-parallel dispatchers: tests/test_ep_dispatch.py)."""
+    (the expert-parallel dispatchers: tests/parallel/test_ep_dispatch.py)."""
     cfg = MoEConfig(num_experts=E, top_k=K, capacity_factor=E / K, routing_groups=4,
                     groups_per_token=1)
     x, logits, w = _inputs(9)

@@ -25,7 +25,7 @@ from jaxmoe.runtime.distributed import DistributedError, PeerWatch, Processes, a
 from jaxmoe.step import build_steps
 from jaxmoe.train import main, train
 
-CONFIG = Path(__file__).parent.parent / "configs" / "cpu8_ep.yaml"
+CONFIG = Path(__file__).parents[2] / "configs" / "cpu8_ep.yaml"
 TINY = ["train.steps=4", "optimizer.warmup_steps=1", "train.batch_size=16", "train.seq_len=32",
         "model.d_model=32", "model.mlp_hidden=64", "model.num_layers=2", "moe.expert_hidden=32",
         "train.eval_batches=2", "train.eval_every=0", "logging.log_every=1",

@@ -44,7 +44,7 @@ CONFIG = {
 }
 MESHES = {"1 device": ({"data": 1}, "grouped"), "ddp + EP 8": ({"data": 2, "expert": 4},
                                                                  "alltoall")}
-# recorded 2026-12-01 on one device, AMD EPYC (`pytest -n 0 -s tests/test_golden.py`
+# recorded 2026-12-01 on one device, AMD EPYC (`pytest -n 0 -s tests/model/test_golden.py`
 # prints them)
 LOSS = [5.57569694519043, 5.493044853210449, 5.415976524353027]
 GRAD_NORM = [0.6231347322463989, 0.6040768027305603, 0.577119767665863]

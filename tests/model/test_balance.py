@@ -390,7 +390,7 @@ def test_gerrymander_config_flags_the_steady_state(tmp_path):
     from jaxmoe.config import load_config
     from jaxmoe.data.corpus import load_corpus
     from jaxmoe.train import train
-    cfg = load_config(Path(__file__).parent.parent / "configs" / "gerrymander.yaml", [
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "gerrymander.yaml", [
         "train.seed=3", "train.steps=100", "train.batch_size=8", "train.seq_len=32",
         "model.num_layers=2", "logging.log_every=1", f"train.run_dir={tmp_path}"])
     train(cfg, load_corpus("stdlib", None, 256, cfg.train.seq_len))

@@ -13,7 +13,7 @@ from jaxmoe.config import load_config
 from jaxmoe.plan.planner import expert_gemm_ratios, routed_expert_flops
 from jaxmoe.step import abstract_model
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 CONFIG = "configs/olmoe_8layer_e128.yaml"
 
 

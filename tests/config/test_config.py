@@ -10,7 +10,7 @@ from jaxmoe.config import Config, ConfigError, config_from_dict, load_config
 from jaxmoe.plan.counts import param_counts
 from jaxmoe.model.transformer import Transformer
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 @pytest.mark.parametrize("raw, key", [
@@ -86,7 +86,7 @@ def test_overrides_and_immutability(tmp_path):
 
 def test_shipped_configs_load():
     from pathlib import Path
-    configs = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
+    configs = sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml"))
     assert configs
     for path in configs:
         assert isinstance(load_config(path), Config)
@@ -124,7 +124,7 @@ def test_param_counts_match_model(raw):
 @pytest.mark.parametrize("experts, total", [(8, 4.6e9), (64, 24.3e9), (128, 47e9)])
 def test_reference_family_parameter_counts(experts, total):
     from pathlib import Path
-    cfg = load_config(Path(__file__).parent.parent / "configs" / f"olmoe_8layer_e{experts}.yaml")
+    cfg = load_config(Path(__file__).parents[2] / "configs" / f"olmoe_8layer_e{experts}.yaml")
     counts = param_counts(cfg)
     assert counts.total == pytest.approx(total, rel=0.02)
     assert counts.active == pytest.approx(3.2e9, rel=0.02)  # the same for every expert count
@@ -136,7 +136,7 @@ def test_reference_family_parameter_counts(experts, total):
 ])
 def test_trillion_config_parameter_counts(name, total, mesh, experts):
     from pathlib import Path
-    cfg = load_config(Path(__file__).parent.parent / "configs" / f"{name}.yaml")
+    cfg = load_config(Path(__file__).parents[2] / "configs" / f"{name}.yaml")
     counts = param_counts(cfg)
     assert counts.total == pytest.approx(total, rel=0.05)
     assert counts.active == pytest.approx(58e9, rel=0.05)

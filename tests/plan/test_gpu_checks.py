@@ -14,7 +14,7 @@ import pytest
 
 from jaxmoe.runtime.fake_devices import without_fake_devices
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("gpu_checks", ROOT / "benchmarks" / "gpu_checks.py")
 gc = sys.modules["gpu_checks"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gc)
@@ -41,7 +41,7 @@ def test_check_passes_and_its_hook_fails_it(name, monkeypatch):
 
 
 def test_the_gpu_compiler_here_is_the_cuda_extras_release():
-    """tests/test_gpu_compile.py compiles with the JAX, CUDA plugin and kernels that `pip
+    """tests/plan/test_gpu_compile.py compiles with the JAX, CUDA plugin and kernels that `pip
     install -e ".[cuda]"` installs on a GPU host, so CI cannot test a JAX that users do
     not get: the cuda extra pins every part of the stack to one release, cuda12 the same
     but its plugin, and gpu-compile (the test extra's compiler) the same releases, which

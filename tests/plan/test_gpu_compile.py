@@ -475,7 +475,7 @@ def test_shipped_gpu_configs_compile_for_an_h100(name):
     one-GPU config, and the 8-layer family at 8 experts (one per device); e32 and e64
     are the family between it and e128, which test_plan compiles at full size (and
     the docs' commands test the 1.2T config at toy widths)."""
-    path = Path(__file__).parent.parent / "configs" / f"{name}.yaml"
+    path = Path(__file__).parents[2] / "configs" / f"{name}.yaml"
     cfg = load_config(path, TOY_WIDTHS + ["mesh.data=1"])
     program = _compile("h100", None, cfg)
     kernels = program_flops(program).kernels
@@ -492,7 +492,7 @@ def test_the_olmocore_47b_row_is_its_anchors_step():
     batch, accumulation, layers and layout as shipped) it compiles for 8 virtual
     B300s: the grouped kernel over the routed rows, and nothing recomputed (its
     remat: none; companion: remat full recomputes the forward)."""
-    path = Path(__file__).parent.parent / "configs" / "olmocore_47b_8xb300.yaml"
+    path = Path(__file__).parents[2] / "configs" / "olmocore_47b_8xb300.yaml"
     cfg = load_config(path)
     t = cfg.train
     assert t.batch_size * t.seq_len == 4 * 2**20 and cfg.mesh.devices == 8
@@ -512,7 +512,7 @@ def test_each_anchor_config_is_its_anchors_run(anchor):
     """Each anchor's config holds the run it names: GPUs, global batch, sequence length,
     sequences per GPU per pass and expert precision (companion: half the accumulation
     slices doubles the pass, and the check says so)."""
-    path = Path(__file__).parent.parent / "configs" / f"{anchor.config}.yaml"
+    path = Path(__file__).parents[2] / "configs" / f"{anchor.config}.yaml"
     cfg = load_config(path)
     assert differences(cfg, anchor) == []
     assert cfg.model.compute_dtype == "bfloat16"
@@ -530,7 +530,7 @@ def test_each_anchor_config_compiles_for_its_gpus(anchor):
     widths and one MoE layer per pipeline chunk (the full programs are the planner's,
     benchmarks/RESULTS.md "The anchors' rows"): MXFP8 experts run cuDNN's native
     block-scaled GEMM, bf16 ones the grouped kernel, and stages hand activations on."""
-    path = Path(__file__).parent.parent / "configs" / f"{anchor.config}.yaml"
+    path = Path(__file__).parents[2] / "configs" / f"{anchor.config}.yaml"
     shipped = load_config(path)
     m, chunks = shipped.model, shipped.mesh.stage * shipped.pipeline.virtual_stages
     mla = [] if m.attention != "mla" else [
@@ -556,7 +556,7 @@ def test_in_loop_scoring_stays_within_the_train_steps_memory():
     from jaxmoe.plan.planner import peak_bytes
     from jaxmoe.data.tokenizer import BYTE_TOKENIZER
 
-    cfg = load_config(Path(__file__).parent.parent / "configs" / "olmoe_8layer_e128.yaml",
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "olmoe_8layer_e128.yaml",
                       ["mesh.data=1", "mesh.expert=8", "train.evals.tasks=[stdlib_word_order]",
                        "train.evals.limit=64"])
     compiled, steps, abstract = compile_train_step(cfg, "b300")

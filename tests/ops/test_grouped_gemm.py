@@ -2,7 +2,7 @@
 float64 GEMM per expert: forward and both gradients, with an empty expert, a one-row
 expert, group starts off tile boundaries and free rows past the groups. On CPU
 the reference implementation runs; the GPU kernels (mosaic, triton) are compiled
-for H100 and B300 and counted in tests/test_gpu_compile.py."""
+for H100 and B300 and counted in tests/plan/test_gpu_compile.py."""
 
 import jax
 import jax.numpy as jnp
