@@ -36,12 +36,12 @@ Params = dict[str, Any]
 
 
 def _new_moe(cfg: Config, rngs: nnx.Rngs) -> MoE:
-    return MoE(cfg.model.d_model, cfg.moe, *init_stds(cfg), rngs)
+    return MoE(cfg.model.d_model, cfg.moe, *init_stds(cfg.model), rngs)
 
 
 @functools.lru_cache(maxsize=32)
 def _abstract(cfg: Config, part: str) -> tuple[nnx.GraphDef, Params]:
-    new = {"model": lambda: Transformer(cfg, nnx.Rngs(0)),
+    new = {"model": lambda: Transformer.of(cfg, nnx.Rngs(0)),
            "moe": lambda: _new_moe(cfg, nnx.Rngs(0))}[part]
     graphdef, state = nnx.split(nnx.eval_shape(new))
     return graphdef, state.to_pure_dict()
@@ -49,7 +49,7 @@ def _abstract(cfg: Config, part: str) -> tuple[nnx.GraphDef, Params]:
 
 @functools.lru_cache(maxsize=32)
 def _init_fn(cfg: Config, part: str):
-    new = {"model": lambda key: Transformer(cfg, nnx.Rngs(params=key)),
+    new = {"model": lambda key: Transformer.of(cfg, nnx.Rngs(params=key)),
            "moe": lambda key: _new_moe(cfg, nnx.Rngs(params=key))}[part]
     return jax.jit(lambda key: nnx.state(new(key)).to_pure_dict())
 

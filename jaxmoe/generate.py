@@ -39,7 +39,7 @@ def _generate(params, prompt_BxP, first_B, eos, key, temperature, top_k, top_p, 
               max_new_tokens):
     model = api.to_module(params, config)
     B, P = prompt_BxP.shape
-    cache = kv_cache.init_cache(config, B, P + max_new_tokens)
+    cache = kv_cache.init_cache(config.model, B, P + max_new_tokens)
     logits_BxPxV, cache, _ = kv_cache.forward(model, prompt_BxP, cache, 0, first_B)
     token_B = sample(jax.random.fold_in(key, P), logits_BxPxV[:, -1], temperature, top_k, top_p)
     out_BxN = jnp.full((B, max_new_tokens), eos, jnp.int32).at[:, 0].set(token_B)

@@ -33,7 +33,7 @@ close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # n
 @pytest.fixture(scope="module")
 def model_and_params():
     key = jax.random.key(0)
-    return Transformer(CFG, nnx.Rngs(params=key)), jaxmoe.init(CFG, key)
+    return Transformer.of(CFG, nnx.Rngs(params=key)), jaxmoe.init(CFG, key)
 
 
 def _tokens(shape, seed=1):

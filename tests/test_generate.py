@@ -40,14 +40,14 @@ def test_kv_cache_equals_full_recompute(params):
     @jax.jit
     def cached(params, tokens_BxL):
         model = api.to_module(params, cfg)
-        cache = kv_cache.init_cache(cfg, 2, 16)
+        cache = kv_cache.init_cache(cfg.model, 2, 16)
         logits, cache, _ = kv_cache.forward(model, tokens_BxL[:, :5], cache, 0)  # prefill
         steps = [logits]
         for i in range(5, 12):
             logits, cache, _ = kv_cache.forward(model, tokens_BxL[:, i:i + 1], cache, i)
             steps.append(logits)
         # the last token again, with an empty cache: what a broken cache would give
-        empty = kv_cache.init_cache(cfg, 2, 16)
+        empty = kv_cache.init_cache(cfg.model, 2, 16)
         no_cache, _, _ = kv_cache.forward(model, tokens_BxL[:, 11:], empty, 11)
         return jnp.concatenate(steps, axis=1), no_cache
 

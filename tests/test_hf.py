@@ -277,7 +277,7 @@ def test_kimi_k2_config_imports():
     # the model it builds (abstract: nothing allocated) holds what the count says, and
     # that is Moonshot's 1.04T total and 32.6B activated, to their rounding and the
     # router's columns (2% allowed)
-    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer.of(cfg, nnx.Rngs(0)))
     counts = param_counts(cfg)
     assert counts.total == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert counts.total == pytest.approx(1.04e12, rel=0.02)

@@ -1,9 +1,9 @@
 """What a config's values must satisfy: each section's own checks, then those that tie
 sections together, run whenever a `Config` is made, before anything compiles. Each
 failure is a `ConfigError` naming the key at fault. The checks that need the devices
-(a mesh, a model's parameters) run where those exist, through `check_expert_split` and
-`check_context_split` here, `jaxmoe.parallel.sharding.check_divisibility` and
-`jaxmoe.step.build.check_optimizer`."""
+(the mesh a config resolves to, the model's parameters on it) are
+`jaxmoe.step.checks`, which `build_steps` runs; `check_expert_split` and
+`check_context_split` serve both."""
 
 from __future__ import annotations
 

@@ -72,6 +72,11 @@ class ModelConfig:
     mtp_layers: int = 0
 
     @property
+    def num_moe_layers(self) -> int:
+        """The layers after the dense ones: MoE layers."""
+        return self.num_layers - self.num_dense_layers
+
+    @property
     def head_size(self) -> int:
         """A query's and key's size per head (MLA: the part without RoPE and the part
         with it)."""
@@ -360,7 +365,7 @@ class Config:
 
     @property
     def num_moe_layers(self) -> int:
-        return self.model.num_layers - self.model.num_dense_layers
+        return self.model.num_moe_layers
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.config import Config
+from jaxmoe.config import ModelConfig
 from jaxmoe.model.attention import narrow_values, softmax_scale
 from jaxmoe.model.transformer import Block, Transformer, attention_class
 
@@ -33,18 +33,17 @@ from jaxmoe.model.transformer import Block, Transformer, attention_class
 Cache = dict[str, tuple[jax.Array, jax.Array]]
 
 
-def init_cache(cfg: Config, batch: int, slots: int) -> Cache:
-    m = cfg.model
-    stacks = {"dense_layers": m.num_dense_layers, "moe_layers": cfg.num_moe_layers}
+def init_cache(m: ModelConfig, batch: int, slots: int) -> Cache:
+    stacks = {"dense_layers": m.num_dense_layers, "moe_layers": m.num_moe_layers}
     dtype = jnp.dtype(m.compute_dtype)
     shapes = attention_class(m).cache_shapes(m)
     return {name: tuple(jnp.zeros((n, batch, slots, *shape), dtype) for shape in shapes)
             for name, n in stacks.items() if n}
 
 
-def cache_numbers_per_token(cfg: Config) -> int:
+def cache_numbers_per_token(m: ModelConfig) -> int:
     """Numbers the cache keeps per token and layer (x layers: the whole cache's)."""
-    return sum(math.prod(shape) for shape in attention_class(cfg.model).cache_shapes(cfg.model))
+    return sum(math.prod(shape) for shape in attention_class(m).cache_shapes(m))
 
 
 def _block(block: Block, x_BxLxD, positions_BxL, kept_a, kept_b, start, first_B):
@@ -70,7 +69,7 @@ def forward(model: Transformer, tokens_BxL: jax.Array, cache: Cache, start: jax.
     B, L = tokens_BxL.shape
     first_B = jnp.zeros(B, jnp.int32) if first_B is None else first_B
     positions_BxL = start + jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    x = model.embed[...][tokens_BxL].astype(jnp.dtype(model.cfg.model.compute_dtype))
+    x = model.embed[...][tokens_BxL].astype(jnp.dtype(model.model_cfg.compute_dtype))
     new_cache, aux = {}, {}
     for name, (k, v) in cache.items():
         if name == "moe_layers":

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmoe.config import Config
+from jaxmoe.config import Config, ModelConfig, MoEConfig
 from jaxmoe.model.attention import MAX_LOGIT, Attention, unmeasured
 from jaxmoe.model.layers import MLP, RMSNorm, param
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
@@ -29,27 +29,28 @@ from jaxmoe.model.mtp import MTPModule, valid_targets
 from jaxmoe.model.remat import LAYER_INPUT, REMAT_POLICIES
 
 
-def init_stds(cfg: Config) -> tuple[float, float]:
+def init_stds(m: ModelConfig) -> tuple[float, float]:
     """Init std of a block's input projections, and of its output projections (scaled
     down with depth, so the residual stream's variance stays put)."""
-    return cfg.model.init_std, cfg.model.init_std / math.sqrt(2 * cfg.model.num_layers)
+    return m.init_std, m.init_std / math.sqrt(2 * m.num_layers)
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: Config, use_moe: bool, rngs: nnx.Rngs):
-        std, out_std = init_stds(cfg)
-        m = cfg.model
+    def __init__(self, m: ModelConfig, moe: MoEConfig, use_moe: bool, rngs: nnx.Rngs, *,
+                 mlp_chunk: int = 0, max_logits: bool = False):
+        """mlp_chunk: a dense MLP's positions at a time (0: all); max_logits: report the
+        heads' largest attention logits (QK-clip rescales heads by them)."""
+        std, out_std = init_stds(m)
         self.attn_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
         self.attn = attention_class(m)(m, out_std, rngs)
         self.mlp_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
         if use_moe:
-            self.moe = MoE(m.d_model, cfg.moe, std, out_std, rngs)
+            self.moe = MoE(m.d_model, moe, std, out_std, rngs)
         else:
             self.mlp = MLP(m.d_model, m.mlp_hidden, std, out_std, rngs)
         self.use_moe = use_moe
-        self.mlp_chunk = cfg.train.dense_mlp_chunk
-        # QK-clip rescales heads by their largest logits: the layer reports them
-        self.with_max_logits = cfg.optimizer.qk_clip > 0
+        self.mlp_chunk = mlp_chunk
+        self.with_max_logits = max_logits
 
     def __call__(self, x_BxLxD, positions_BxL, layout: LocalLayout = LOCAL_LAYOUT,
                  jitter_key=None):
@@ -116,8 +117,8 @@ def map_moe_stack(fn, tree):
                                             tree)
 
 
-def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs, held=None,
-           mtp: bool = False) -> Block | MTPModule:
+def _stack(m: ModelConfig, moe: MoEConfig, use_moe: bool, n: int, rngs: nnx.Rngs, held=None,
+           mtp: bool = False, **block_options) -> Block | MTPModule:
     """n blocks stacked on a leading `layers` axis, layer i drawn from the i-th of the
     rng stream's splits (a prefix of any longer split's). mtp: multi-token prediction
     modules around the blocks, on an axis of their own (`mtp_layers`).
@@ -134,9 +135,9 @@ def _stack(cfg: Config, use_moe: bool, n: int, rngs: nnx.Rngs, held=None,
     def make(key, count):
         r = nnx.Rngs(params=key)
         r.params.count[...] = count
-        block = Block(cfg, use_moe, r)
+        block = Block(m, moe, use_moe, r, **block_options)
         if mtp:
-            return MTPModule(cfg.model.d_model, cfg.model.norm_eps, init_stds(cfg)[0], block, r)
+            return MTPModule(m.d_model, m.norm_eps, init_stds(m)[0], block, r)
         return block
 
     make = nnx.vmap(make, in_axes=(0, 0), out_axes=0,
@@ -196,20 +197,32 @@ def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: Config, rngs: nnx.Rngs, held=None):
+    def __init__(self, model: ModelConfig, moe: MoEConfig, rngs: nnx.Rngs, held=None, *,
+                 mlp_chunk: int = 0, max_logits: bool = False):
         """held: a pipeline's `StageStack`, to make the MoE stack as its stages hold it
-        (the same values, [W, S, per, ...]); None: [Lm, ...] in model order."""
-        m = cfg.model
+        (the same values, [W, S, per, ...]); None: [Lm, ...] in model order. mlp_chunk
+        and max_logits: each block's (see `Block`)."""
+        m = model
+        options = {"mlp_chunk": mlp_chunk, "max_logits": max_logits}
         self.embed = param(rngs, (m.vocab_size, m.d_model), ("vocab", "embed"), m.init_std)
         if m.num_dense_layers:
-            self.dense_layers = _stack(cfg, False, m.num_dense_layers, rngs)
-        if cfg.num_moe_layers:
-            self.moe_layers = _stack(cfg, True, cfg.num_moe_layers, rngs, held)
+            self.dense_layers = _stack(m, moe, False, m.num_dense_layers, rngs, **options)
+        if m.num_moe_layers:
+            self.moe_layers = _stack(m, moe, True, m.num_moe_layers, rngs, held, **options)
         if m.mtp_layers:
-            self.mtp_layers = _stack(cfg, cfg.num_moe_layers > 0, m.mtp_layers, rngs, mtp=True)
+            self.mtp_layers = _stack(m, moe, m.num_moe_layers > 0, m.mtp_layers, rngs, mtp=True,
+                                     **options)
         self.final_norm = RMSNorm(m.d_model, m.norm_eps, "embed", rngs)
         self.head = param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.init_std)
-        self.cfg = cfg
+        self.model_cfg = m
+
+    @classmethod
+    def of(cls, cfg: Config, rngs: nnx.Rngs, held=None) -> Transformer:
+        """The model a run's config describes: its `model` and `moe` sections, the dense
+        MLP's chunks (`train.dense_mlp_chunk`), and the largest attention logits QK-clip
+        reads (`optimizer.qk_clip`). The one place the model is made from a whole config."""
+        return cls(cfg.model, cfg.moe, rngs, held, mlp_chunk=cfg.train.dense_mlp_chunk,
+                   max_logits=cfg.optimizer.qk_clip > 0)
 
     def __call__(self, tokens_BxL: jax.Array, *, layout: LocalLayout = LOCAL_LAYOUT,
                  key: jax.Array | None = None, remat: str = "none") -> tuple[jax.Array, dict]:
@@ -226,7 +239,7 @@ class Transformer(nnx.Module):
         """The last block's output [B, L, D] (before the final norm) and aux: the MoE
         layers' router stats, and with QK-clip every layer's heads' largest logits
         [num_layers, H] in model order (`attention.MAX_LOGIT`)."""
-        m = self.cfg.model
+        m = self.model_cfg
         B, L = tokens_BxL.shape
         positions_BxL = layout.positions(B, L)
         with jax.named_scope("embed"):
@@ -235,7 +248,7 @@ class Transformer(nnx.Module):
         aux = dense_aux = {}
         if m.num_dense_layers:
             x, dense_aux = run_stack(self.dense_layers, x, positions_BxL, layout, None, remat)
-        if self.cfg.num_moe_layers:
+        if m.num_moe_layers:
             x, aux = layout.run_moe_stack(self, x, positions_BxL, key, remat)
         if MAX_LOGIT in dense_aux:  # the dense layers' before the MoE layers'
             moe = [aux[MAX_LOGIT]] if MAX_LOGIT in aux else []
@@ -250,7 +263,7 @@ class Transformer(nnx.Module):
         [N, ...] ({} without MoE layers), from `hidden`'s output h over L inputs.
         tokens_BxLn: the L inputs and the 1 + N tokens after them (zeros past a row's
         end; `jaxmoe.model.mtp`)."""
-        N = self.cfg.model.mtp_layers
+        N = self.model_cfg.mtp_layers
         B, L, _ = h_BxLxD.shape
         positions_BxL = layout.positions(B, L)
         length = layout.sequence_length(L)
@@ -268,7 +281,7 @@ class Transformer(nnx.Module):
             module_state = jax.tree.map(lambda a: a[d - 1], state)  # noqa: B023
             with jax.named_scope(f"mtp_{d}"):
                 embedded = self.embed[...][tokens_BxLn[:, d:d + L]].astype(
-                    jnp.dtype(self.cfg.model.compute_dtype))
+                    jnp.dtype(self.model_cfg.compute_dtype))
                 h_BxLxD, aux = depth(module_state, h_BxLxD, embedded,
                                      None if keys is None else keys[d - 1])
                 ce = self.cross_entropy(h_BxLxD, tokens_BxLn[:, d + 1:d + 1 + L], layout, chunk,

@@ -3,7 +3,7 @@
 The training step asks a layout where every tensor lives (the rules table of
 `mesh.parallelism`, ZeRO-1, the batch split, and, with pipeline stages, the MoE
 stack held as [W, S, per, ...] chunks: `StageStack`, model order when flattened)
-and checks the config against the mesh through it. The model never sees the
+The model never sees the
 mesh: it asks its layout eight things (`jaxmoe.model.layout`, whose `LocalLayout`
 answers them for one device and which the layouts here extend): which kernels its
 devices run (`kernels`: attention, MXFP8, the ragged exchange, read from the mesh's
@@ -34,14 +34,13 @@ from jax import lax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmoe.config import Config, ConfigError, MoEConfig, check_expert_split
+from jaxmoe.config import Config, MoEConfig, check_expert_split
 from jaxmoe.model.dispatch import LOCAL, Dispatched
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
 from jaxmoe.model.router import Routing
 from jaxmoe.model.transformer import in_moe_stack, map_moe_stack
 from jaxmoe.ops.kernels import Kernels
-from jaxmoe.parallel import sharding
-from jaxmoe.parallel import context, ep_dispatch
+from jaxmoe.parallel import context, ep_dispatch, sharding
 from jaxmoe.parallel.pipeline import StageStack, device_pipeline, pipeline
 from jaxmoe.parallel.sharding import BATCH_AXES, TOKEN_AXES, axis_size
 
@@ -68,10 +67,6 @@ class GlobalLayout(LocalLayout):
             StageStack.of(cfg.num_moe_layers, S, cfg.pipeline.virtual_stages)
 
     # -- where the training state and the batch live
-
-    def check_training(self) -> None:
-        """The config's shape checks that need this mesh; run before compiling."""
-        sharding.check_divisibility(self.cfg, self.mesh)
 
     def stored(self, tree):
         """A model-order tree (params, buffers, a gradient of them) as this layout keeps
@@ -172,10 +167,6 @@ class DeviceLayout(GlobalLayout):
         super().__init__(mesh, cfg)
         if cfg.num_moe_layers:
             ep_dispatch.prepare(cfg.moe.dispatcher, self.kernels)
-        if cfg.num_moe_layers and cfg.moe.dispatcher in LOCAL and mesh.shape["expert"] > 1:
-            raise ConfigError(f"moe.dispatcher: {cfg.moe.dispatcher!r} runs every expert on "
-                              f"each device, but mesh.expert={mesh.shape['expert']} splits "
-                              "them; use alltoall, allgather or ragged")
         self.batch_shards = 1  # a device's rows are one shard
         self.context = axis_size(mesh, context.AXIS)  # devices each sequence is split over
 

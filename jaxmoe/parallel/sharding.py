@@ -23,8 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmoe.config import (MESH_AXES, Config, ConfigError, MeshConfig, check_context_split,
-                           check_expert_split)
+from jaxmoe.config import MESH_AXES, ConfigError, MeshConfig
 
 AXES = MESH_AXES
 BATCH_AXES = ("data", "expert")
@@ -100,31 +99,6 @@ def device_grid(shape: dict[str, int], devices: list) -> np.ndarray:
                               f"{local} devices of each process nor is a multiple of it, so "
                               "expert groups would straddle processes unevenly")
     return np.array(devices, dtype=object).reshape(tuple(shape[a] for a in AXES))
-
-
-def check_divisibility(cfg: Config, mesh: Mesh) -> None:
-    """Shape checks that need the resolved mesh; run before compiling."""
-    n_batch = mesh.shape["data"] * mesh.shape["expert"]
-    per_micro = (cfg.train.batch_size // cfg.train.accumulation_steps
-                 // cfg.pipeline.stage_microbatches)
-    if per_micro % n_batch:
-        raise ConfigError(f"train.batch_size: {cfg.train.batch_size} sequences in "
-                          f"{cfg.train.accumulation_steps} (accumulation) x "
-                          f"{cfg.pipeline.stage_microbatches} (pipeline) "
-                          f"micro-batches cannot be split over data x expert = {n_batch} devices"
-                          + (" (mesh.context splits each sequence over devices instead)"
-                             if per_micro < n_batch else ""))
-    if cfg.num_moe_layers:
-        check_expert_split(cfg.moe.num_experts, mesh.shape["expert"])
-    if axis_size(mesh, "context") > 1:
-        check_context_split(cfg, axis_size(mesh, "context"))
-    S, W = mesh.shape["stage"], cfg.pipeline.virtual_stages
-    if S > 1 and cfg.num_moe_layers < S * W:  # mesh.stage: -1 resolves only here
-        raise ConfigError(f"mesh.stage: {cfg.num_moe_layers} MoE layers cannot fill {S} stages "
-                          f"x {W} virtual stages")
-    if cfg.mesh.parallelism == "fsdp" and cfg.model.d_model % mesh.shape["data"]:
-        raise ConfigError(f"model.d_model: {cfg.model.d_model} cannot be split over "
-                          f"mesh.data={mesh.shape['data']} for fsdp")
 
 
 def axis_size(mesh: Mesh, axis: str) -> int:

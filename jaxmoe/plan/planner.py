@@ -85,7 +85,7 @@ def cache_bytes_per_token(cfg) -> int:
     import jax.numpy as jnp
 
     from jaxmoe.model.kv_cache import cache_numbers_per_token
-    return (cache_numbers_per_token(cfg) * cfg.model.num_layers
+    return (cache_numbers_per_token(cfg.model) * cfg.model.num_layers
             * jnp.dtype(cfg.model.compute_dtype).itemsize)
 
 

@@ -6,14 +6,15 @@
   inside a `shard_map` (ddp), and the working copy's dtypes;
 - `build`: the train state, and the init, train and scoring steps compiled once per
   (config, mesh);
+- `checks`: the config's checks that need its mesh and the model's parameters;
 - `weights`: weights from outside a run placed into the state, shapes checked;
 - `overflow`: what a step does when its routing overflows the expert buffers.
 
 The names other code uses are imported here.
 """
 
-from jaxmoe.step.build import (Steps, TrainState, abstract_model, apply_gradients, build_steps,
-                               uses_per_device_step)
+from jaxmoe.step.build import Steps, TrainState, abstract_model, apply_gradients, build_steps
+from jaxmoe.step.checks import uses_per_device_step
 from jaxmoe.step.weights import check_shapes, place_weights, with_weights
 
 __all__ = ["Steps", "TrainState", "abstract_model", "apply_gradients", "build_steps",

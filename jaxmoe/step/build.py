@@ -19,19 +19,18 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmoe.parallel import sharding
-from jaxmoe.config import Config, ConfigError, dropless
+from jaxmoe.config import Config, dropless
 from jaxmoe.model.attention import MAX_LOGIT
 from jaxmoe.model.router import update_expert_bias
 from jaxmoe.model.transformer import Transformer
 from jaxmoe.optim import make_optimizer, qk_clip
-from jaxmoe.optim.optax_bridge import updates_are_elementwise
-from jaxmoe.optim.params import param_names, unmatched_patterns
 from jaxmoe.optim.schedules import learning_rate_schedule
+from jaxmoe.parallel import sharding
 from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
 from jaxmoe.parallel.sharding import BATCH_AXES
-from jaxmoe.step.loss import (accumulate_gradients, make_loss_fn, make_score_fn, overflowed_buffers,
-                              step_metrics, tokens_after, with_tokens_after)
+from jaxmoe.step.checks import check_mesh, check_optimizer, uses_per_device_step
+from jaxmoe.step.loss import (accumulate_gradients, make_loss_fn, make_score_fn,
+                              overflowed_buffers, step_metrics, tokens_after, with_tokens_after)
 from jaxmoe.step.program import AutoProgram, DeviceProgram, sharded_master
 
 
@@ -71,7 +70,7 @@ class Steps:
 
 def abstract_model(cfg: Config) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """(graphdef, params, buffers) of the model, abstract: the same for every mesh."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer.of(cfg, nnx.Rngs(0)))
     return nnx.split(model, nnx.Param, ...)
 
 
@@ -180,15 +179,10 @@ def apply_gradients(tx: optax.GradientTransformationExtraArgs, params, opt_state
     return *_update(tx, params, opt_state, grads, grad_norm, finite), grad_norm, finite
 
 
-def uses_per_device_step(cfg: Config) -> bool:
-    """ddp trains (and evaluates) with the per-device program, pipelines included."""
-    return cfg.mesh.parallelism == "ddp"
-
-
 def build_steps(cfg: Config, mesh: Mesh) -> Steps:
     """Compiles init, train and eval steps for `cfg` on `mesh`."""
+    check_mesh(cfg, mesh)
     layout = GlobalLayout(mesh, cfg)
-    layout.check_training()
     graphdef, abs_params, abs_buffers = abstract_model(cfg)
     tx = make_optimizer(cfg.optimizer, cfg.train.steps)
     lr_at = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
@@ -201,7 +195,7 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
     def init(key):
         # the same model on any mesh, made as the layout holds it (each stage's chunks
         # drawn on that stage)
-        model = Transformer(cfg, nnx.Rngs(params=key), held=layout.stack)
+        model = Transformer.of(cfg, nnx.Rngs(params=key), held=layout.stack)
         _, params, buffers = nnx.split(model, nnx.Param, ...)
         zero = jnp.zeros((), jnp.int32)
         return TrainState(zero, params, buffers, tx.init(params), key, zero)
@@ -249,23 +243,3 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
     )
 
 
-def check_optimizer(cfg: Config, mesh: Mesh, abs_params: nnx.State, shard_specs: nnx.State) -> None:
-    """The optimizer checks that need the model's parameters and the mesh; run
-    before compiling. `shard_specs`: where each parameter's optimizer state lives."""
-    o = cfg.optimizer
-    unmatched = unmatched_patterns(abs_params, o.no_decay)
-    if unmatched:
-        raise ConfigError(f"optimizer.no_decay: {unmatched} match no parameter; the "
-                          f"parameters' paths are {', '.join(param_names(abs_params))}")
-    # The per-device step updates each device's part of a tensor on its own: right
-    # only for an optimizer that updates every element from its own history.
-    specs = jax.tree.leaves(shard_specs, is_leaf=lambda x: isinstance(x, P))
-    split = any(mesh.shape[a] > 1 for spec in specs for entry in spec
-                for a in sharding.spec_axes(entry))
-    # (Muon's matrices are made whole by the step: `DeviceProgram.whole_matrices`)
-    if uses_per_device_step(cfg) and split and o.name != "muon" and not updates_are_elementwise(o):
-        raise ConfigError(f"optimizer.name: {o.name} takes statistics over whole tensors, but "
-                          "the ddp step updates each device's part of a tensor (its ZeRO-1 "
-                          "shard, its experts, its stage's layers) on its own; use "
-                          "mesh.parallelism: fsdp, or an optimizer that updates each element "
-                          "on its own (adamw, lion, sgd, ...)")

@@ -107,7 +107,7 @@ def test_shipped_configs_load():
 ])
 def test_param_counts_match_model(raw):
     cfg = config_from_dict(raw)
-    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer.of(cfg, nnx.Rngs(0)))
     params = nnx.state(model, nnx.Param)
     total = sum(x.size for x in jax.tree.leaves(params))
     counts = param_counts(cfg)
@@ -150,7 +150,7 @@ def _matmul_params_per_token(cfg):
     """Weights one token multiplies through, from the real model's shapes: every
     parameter but the embedding table (a lookup) and the norm scales (elementwise),
     with the routed experts counted at top_k of num_experts."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer.of(cfg, nnx.Rngs(0)))
     total = 0.0
     for path, x in jax.tree.leaves_with_path(nnx.state(model, nnx.Param)):
         name = jax.tree_util.keystr(path)

@@ -64,8 +64,8 @@ def test_decoding_from_the_latent_cache_equals_the_forward():
     want, _ = jaxmoe.apply(params, tokens, cfg)
     # per token and layer the cache holds the latent and the RoPE key: 8 + 4 numbers,
     # where grouped-query attention of these 4 heads would hold 2 x 4 x 12
-    assert kv_cache.cache_numbers_per_token(cfg) == 8 + 4
-    cache = kv_cache.init_cache(cfg, 2, 16)
+    assert kv_cache.cache_numbers_per_token(cfg.model) == 8 + 4
+    cache = kv_cache.init_cache(cfg.model, 2, 16)
     assert {a.shape[3:] for pair in cache.values() for a in pair} == {(8,), (4,)}
     model = jaxmoe.api.to_module(params, cfg)
     logits, cache, _ = kv_cache.forward(model, tokens[:, :6], cache, 0)
@@ -76,7 +76,7 @@ def test_decoding_from_the_latent_cache_equals_the_forward():
     got = np.concatenate([np.asarray(s) for s in steps], axis=1)
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-4, atol=1e-5)
     # companion: decoding from a cache whose RoPE keys were written one position off
-    shifted, _, _ = kv_cache.forward(model, tokens[:, :6], kv_cache.init_cache(cfg, 2, 16), 1)
+    shifted, _, _ = kv_cache.forward(model, tokens[:, :6], kv_cache.init_cache(cfg.model, 2, 16), 1)
     assert np.abs(np.asarray(shifted) - np.asarray(want)[:, :6]).max() > 1e-3
     out = generate(params, tokens[:, :4], cfg, key=jax.random.key(0), max_new_tokens=3,
                    temperature=0.0)

@@ -179,7 +179,7 @@ def small_model():
                   "num_dense_layers": 1, "mlp_hidden": 64},
         "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "capacity_factor": 2.0,
                 "shared_expert_hidden": 32}})
-    return cfg, Transformer(cfg, nnx.Rngs(0))
+    return cfg, Transformer.of(cfg, nnx.Rngs(0))
 
 
 def test_causal(small_model):
@@ -243,7 +243,7 @@ def test_chunked_loss_equals_whole_in_less_memory():
                                       "num_kv_heads": 1, "vocab_size": 4096},
                             "moe": {"num_experts": 4, "expert_hidden": 32, "dispatcher": "dense"},
                             "train": {"seq_len": 64}})
-    model = Transformer(cfg, nnx.Rngs(0))
+    model = Transformer.of(cfg, nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jax.random.randint(jax.random.key(4), (2, 65), 0, 4096)
 

@@ -179,7 +179,7 @@ def test_the_safetensors_export_names_each_module():
     from jaxmoe.model.transformer import Transformer
 
     cfg = _cfg({"data": 1})
-    params = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
+    params = nnx.state(nnx.eval_shape(lambda: Transformer.of(cfg, nnx.Rngs(0))), nnx.Param)
     params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), params)
     tensors = named_tensors(params, cfg)
     D = BASE["model"]["d_model"]

@@ -55,7 +55,7 @@ def _model(dispatcher: str, precision: str = "compute"):
                 "dispatcher": dispatcher, "expert_precision": precision},
         "mesh": {"data": 2, "expert": 4}})
     mesh = make_mesh(cfg.mesh)
-    graphdef, params, rest = nnx.split(Transformer(cfg, nnx.Rngs(0)), nnx.Param, ...)
+    graphdef, params, rest = nnx.split(Transformer.of(cfg, nnx.Rngs(0)), nnx.Param, ...)
 
     def loss(params, remat_name):
         logits, aux = nnx.merge(graphdef, params, rest)(

@@ -196,7 +196,7 @@ def test_circular_init_holds_no_more_than_one_round():
         temps[V] = steps.init.lower(key).compile().memory_analysis().temp_size_in_bytes
 
     def reshaped(key):  # the model-order draw, laid out afterwards
-        _, params, _ = nnx.split(Transformer(cfg, nnx.Rngs(params=key)), nnx.Param, ...)
+        _, params, _ = nnx.split(Transformer.of(cfg, nnx.Rngs(params=key)), nnx.Param, ...)
         return steps.layout.stored(params)
 
     by_reshape = jax.jit(reshaped, out_shardings=steps.state_shardings.params).lower(

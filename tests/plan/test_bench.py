@@ -122,7 +122,7 @@ def test_parallel_reports_consistent_times_and_collective_bytes(tmp_path, capsys
     # sent; dense weights have 8 replicas, experts 2) and its ZeRO-1 shard gathered
     # back (n-1 shards received); what else is reduced (losses, router stats, the
     # norm) is a few kB
-    shapes = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))), nnx.Param)
+    shapes = nnx.state(nnx.eval_shape(lambda: Transformer.of(cfg, nnx.Rngs(0))), nnx.Param)
     sent = sum(4 * x.size / 4 * (2 - 1) / 2 if "['experts']" in jax.tree_util.keystr(p)
                else 4 * x.size * (8 - 1) / 8 for p, x in jax.tree.leaves_with_path(shapes))
     assert sent <= ddp["reduce-scatter"] + ddp["all-reduce"] <= sent + 64e3

@@ -150,7 +150,7 @@ def _dense_grads(chunk: int, params=None):
     cfg = config_from_dict({**BASE, "model": {**BASE["model"], "compute_dtype": "float32"},
                             "mesh": {"data": 1}, "moe": {**BASE["moe"], "dispatcher": "grouped"},
                             "train": {**BASE["train"], "dense_mlp_chunk": chunk}})
-    graphdef, init_params, rest = nnx.split(Transformer(cfg, nnx.Rngs(0)), nnx.Param, ...)
+    graphdef, init_params, rest = nnx.split(Transformer.of(cfg, nnx.Rngs(0)), nnx.Param, ...)
     params = init_params if params is None else params
 
     def loss(p):
