@@ -272,8 +272,6 @@ def _train(cfg: Config, corpus: Corpus, steps, tokenizer, stop_after: int | None
             first = evaluations(state, True, True)
             summary["heldout_loss_initial"] = first["eval_ce"]
             monitor.log({"step": 0, **first})
-        tokens_per_step = t.batch_size * t.seq_len
-        model_flops = flops_per_token(cfg)
         peak = Peak.of(steps.mesh.devices.flat)
         kind = steps.mesh.devices.flat[0].device_kind
         monitor.write("MFU against " + (peak.source if peak else f"no known peak for {kind}"))
@@ -308,12 +306,7 @@ def _train(cfg: Config, corpus: Corpus, steps, tokenizer, stop_after: int | None
                         record = {"step": step, **to_python(metrics)}  # waits for this step
                         times = clock.split(step - last_step)
                         with clock.timed("host"):
-                            record["tokens_per_s"] = tokens_per_step / times["step_time_s"]
-                            record |= throughput(model_flops, record["tokens_per_s"],
-                                                 steps.mesh.size, peak,
-                                                 fp8=cfg.moe.expert_precision == "mxfp8")
-                            record |= memory() | times
-                            record |= {f"data_{k}": v for k, v in batches.progress(step).items()}
+                            record |= measured(cfg, steps, peak, times, batches.progress(step))
                             monitor.log(record)
                             monitor.progress(step - last_step, record)
                         last_step = step
@@ -354,13 +347,27 @@ def _train(cfg: Config, corpus: Corpus, steps, tokenizer, stop_after: int | None
         return summary
     summary |= {"heldout_loss": final["eval_ce"], **final}
     if main:
-        tasks = "".join(f"; {key.removeprefix('downstream/').replace('/', ' ')} {value:.3f}"
-                        for key, value in final.items()
-                        if key.startswith("downstream/") and key.endswith(("/acc", "/acc_norm")))
-        bits = f" ({final['eval_bpb']:.3f} bits per byte)" if "eval_bpb" in final else ""
-        print(f"held-out loss {final['eval_ce']:.4f}{bits}{tasks}; outputs in "
-              f"{run_dir.absolute()} (metrics.jsonl, config.yaml, checkpoints/)")
+        print(final_line(final, run_dir))
     return summary
+
+
+def final_line(final: dict, run_dir: Path) -> str:
+    """A finished run's last line: its held-out loss, its tasks' accuracies, its outputs."""
+    tasks = "".join(f"; {key.removeprefix('downstream/').replace('/', ' ')} {value:.3f}"
+                    for key, value in final.items()
+                    if key.startswith("downstream/") and key.endswith(("/acc", "/acc_norm")))
+    bits = f" ({final['eval_bpb']:.3f} bits per byte)" if "eval_bpb" in final else ""
+    return (f"held-out loss {final['eval_ce']:.4f}{bits}{tasks}; outputs in "
+            f"{run_dir.absolute()} (metrics.jsonl, config.yaml, checkpoints/)")
+
+
+def measured(cfg: Config, steps, peak: Peak | None, times: dict, data: dict) -> dict:
+    """What a logged step says beside its metrics: tokens/s, model FLOP/s and MFU,
+    memory, the step-time split, the data position."""
+    record = {"tokens_per_s": cfg.train.batch_size * cfg.train.seq_len / times["step_time_s"]}
+    record |= throughput(flops_per_token(cfg), record["tokens_per_s"], steps.mesh.size, peak,
+                         fp8=cfg.moe.expert_precision == "mxfp8")
+    return record | memory() | times | {f"data_{k}": v for k, v in data.items()}
 
 
 def _start(cfg: Config, corpus: Corpus, steps, tokenizer, init_weights: dict | None,
