@@ -311,6 +311,7 @@ def _train(cfg: Config, corpus: Corpus, steps, tokenizer, stop_after: int | None
                             monitor.progress(step - last_step, record)
                         last_step = step
                         if record["bad_steps"] >= t.max_bad_steps:
+                            saver.finish()  # the message names the checkpoints it leaves
                             raise TooManyBadSteps(diverged(ckpt_dir, step, int(record["bad_steps"]),
                                                            t.max_bad_steps))
                     with clock.timed("host"):
