@@ -30,6 +30,7 @@ from jaxmoe.model.dispatch import LOCAL
 from jaxmoe.model.moe import MoE
 from jaxmoe.model.transformer import Transformer, init_stds
 from jaxmoe.parallel.layout import layout_for
+from jaxmoe.parallel.pipeline import held
 from jaxmoe.step import check_shapes
 
 Params = dict[str, Any]
@@ -89,7 +90,7 @@ def to_module(params: Params, config: Config) -> Transformer:
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "remat"))
 def _apply(params, tokens_BxL, config, key, mesh, remat):
     layout = layout_for(config, mesh)
-    params = layout.stored(params)  # a mesh with pipeline stages runs the stack as they hold it
+    params = held(layout.stack, params)  # a mesh with pipeline stages runs the stack as they hold it
     return nnx.merge(_abstract(config, "model")[0], params)(tokens_BxL, layout=layout, key=key,
                                                             remat=remat)
 

@@ -80,7 +80,7 @@ def checkpoint_manager(run_dir: str | Path, cfg: Config) -> ocp.CheckpointManage
 def save(manager: ocp.CheckpointManager, state: TrainState, data_state: dict,
          steps: Steps) -> None:
     """Starts an asynchronous save of the state at its step; training goes on."""
-    stack = steps.layout.stack
+    stack = steps.program.stack
     meta = {"format_version": FORMAT_VERSION, "data": data_state, "config": steps.cfg.to_dict(),
             "moe_stack": None if stack is None else list(stack)}
     manager.save(int(state.step), args=ocp.args.Composite(
@@ -461,7 +461,7 @@ def restore(directory: str | Path, steps: Steps, step: int | None = None) -> tup
     step, meta = read_meta(directory, step)
     check_compatible(meta["config"], steps.cfg, directory / str(step))
     target = abstract_target(steps)
-    saved, layout = _Saved(meta), steps.layout
+    saved, layout = _Saved(meta), steps.program
     same = (saved.stack == layout.stack and saved.format2_slots is None) or (
         steps.cfg.num_moe_layers == 0)
     if same:

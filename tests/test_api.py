@@ -228,7 +228,7 @@ def test_load_params_from_a_padded_circular_pipeline(tmp_path):
         "train": {"steps": 4, "batch_size": 8, "seq_len": 16, "run_dir": str(tmp_path)},
         "optimizer": {"warmup_steps": 1}})
     steps = build_steps(cfg, make_mesh(cfg.mesh))
-    assert cfg.num_moe_layers == 6 and steps.layout.stack.slots == 8  # teeth: 2 pads
+    assert cfg.num_moe_layers == 6 and steps.program.stack.slots == 8  # teeth: 2 pads
     state = steps.init(jax.random.PRNGKey(5))
     manager = checkpoint.checkpoint_manager(tmp_path, cfg)
     checkpoint.save(manager, state, {"step": 0}, steps)

@@ -171,7 +171,7 @@ def _write(run, cfg, state, version, meta=None):
 def test_a_circular_pipeline_checkpoint_resumes_under_other_layouts(tmp_path):
     cfg = config_from_dict(CIRCULAR)
     steps = build_steps(cfg, make_mesh(cfg.mesh))
-    assert steps.layout.stack == StageStack(2, 2, 2)  # teeth: neither [Lm] nor unpadded
+    assert steps.program.stack == StageStack(2, 2, 2)  # teeth: neither [Lm] nor unpadded
     state = steps.init(jax.random.PRNGKey(0))
     batch = np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)
     state, _ = steps.train_step(state, jax.device_put(batch, steps.batch_sharding))
@@ -181,7 +181,7 @@ def test_a_circular_pipeline_checkpoint_resumes_under_other_layouts(tmp_path):
     stage_major = map_moe_stack(lambda a: np.asarray(a).reshape((8,) + a.shape[3:])[slots],
                                 jax.device_get(state))
     as_format = {checkpoint.FORMAT_VERSION: None,
-                 3: jax.device_get(steps.layout.in_model_order(state)), 2: stage_major,
+                 3: jax.device_get(steps.program.in_model_order(state)), 2: stage_major,
                  1: stage_major}
     # other meshes, one a pipeline of another stack ([1, 2, 3]: no virtual stages)
     others = [config_from_dict({**CIRCULAR, "mesh": mesh, "pipeline": pipeline,
@@ -190,7 +190,7 @@ def test_a_circular_pipeline_checkpoint_resumes_under_other_layouts(tmp_path):
                   ({"data": 8}, "grouped", {}), ({"data": 4, "expert": 2}, "alltoall", {}),
                   ({"data": 4, "stage": 2}, "grouped", {"stage_microbatches": 2})]]
     others = [(other, build_steps(other, make_mesh(other.mesh))) for other in others]
-    assert others[-1][1].layout.stack == StageStack(1, 2, 3)
+    assert others[-1][1].program.stack == StageStack(1, 2, 3)
     for version, laid_out in as_format.items():
         run = tmp_path / f"v{version}"
         if laid_out is None:
@@ -210,7 +210,7 @@ def test_a_circular_pipeline_checkpoint_resumes_under_other_layouts(tmp_path):
         # and back into the circular layout: the same state, padding zeroed
         restored, _ = checkpoint.restore(checkpoint.checkpoint_dir(run), steps)
         chex.assert_trees_all_equal(in_model_order(_state_values(restored), cfg), model)
-        pads = ~np.asarray(steps.layout.stack.real(cfg.num_moe_layers))
+        pads = ~np.asarray(steps.program.stack.real(cfg.num_moe_layers))
         moe = jax.tree.leaves(_state_values(restored)[0]["moe_layers"])
         assert all(not np.any(np.asarray(a)[pads]) for a in moe)
     # and trains on in another layout

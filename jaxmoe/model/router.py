@@ -140,7 +140,7 @@ def update_expert_bias(buffers: nnx.State, counts_LxE: jax.Array, rate: float,
     Uses the step's requested counts summed over the global batch, in model order
     (the MoE layers', then the `mtp_layers` multi-token prediction modules'), once per
     optimizer step, however often a layer was recomputed. `place` puts the MoE
-    layers' updates where `buffers` hold their layers (a layout's `own_share`: a
+    layers' updates where `buffers` hold their layers (a program's `own_layers`: a
     pipeline stage's chunks, zero for padding slots).
     """
     counts = counts_LxE.astype(jnp.float32)

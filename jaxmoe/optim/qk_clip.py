@@ -63,18 +63,18 @@ def factors(cfg: Config, gamma_NxH: jax.Array) -> dict[str, jax.Array]:
 
 
 def rescaled(cfg: Config, params, max_logit_NxH: jax.Array, apply: jax.Array,
-             own_share: Callable, own_part: Callable):
+             own_layers: Callable, own_part: Callable):
     """`params` (as the step's optimizer holds them) with QK-clip applied where `apply`.
 
     max_logit_NxH: every layer's heads' largest logits, model order, MTP layers last;
-    own_share: [Lm, ...] per-MoE-layer values -> as the program holds the MoE stack
-    (`LocalLayout.own_share`); own_part(name, factor): a factor of the whole
+    own_layers: [Lm, ...] per-MoE-layer values -> as the program holds the MoE stack
+    (`jaxmoe.step.program.Program.own_layers`); own_part(name, factor): a factor of the whole
     tensor -> that of the program's part of it (its ZeRO-1 shard)."""
     gamma = head_scales(max_logit_NxH, cfg.optimizer.qk_clip)
     gamma = jnp.where(apply, gamma, 1.0)
     Ld, Lm = cfg.model.num_dense_layers, cfg.num_moe_layers
     per_stack = {STACKS[0]: (factors(cfg, gamma[:Ld]) if Ld else {}, lambda f: f),
-                 STACKS[1]: (factors(cfg, gamma[Ld:Ld + Lm]) if Lm else {}, own_share),
+                 STACKS[1]: (factors(cfg, gamma[Ld:Ld + Lm]) if Lm else {}, own_layers),
                  STACKS[2]: (factors(cfg, gamma[Ld + Lm:]) if cfg.model.mtp_layers else {},
                              lambda f: f)}
 

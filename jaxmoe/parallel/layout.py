@@ -1,21 +1,18 @@
-"""Where the model runs: the one object that turns a mesh into what the model does.
-
-The training step asks a layout where every tensor lives (the rules table of
-`mesh.parallelism`, ZeRO-1, the batch split, and, with pipeline stages, the MoE
-stack held as [W, S, per, ...] chunks: `StageStack`, model order when flattened)
-The model never sees the
-mesh: it asks its layout eight things (`jaxmoe.model.layout`, whose `LocalLayout`
-answers them for one device and which the layouts here extend): which kernels its
-devices run (`kernels`: attention, MXFP8, the ragged exchange, read from the mesh's
-devices, not the host's), which positions its tokens hold and how attention reaches
-the rest of their sequences (a chunk of each under `context`:
-`jaxmoe.parallel.context`), which of its rows it runs outside the MoE stack (in
-the training loss under a pipeline, a stage's share: `StageRowsLayout`), pin
+"""Where a forward pass runs on a mesh: the layouts that turn a mesh into what the
+model and its loss ask (`jaxmoe.model.layout`, whose `LocalLayout` answers for one
+device and which the layouts here extend): which kernels the mesh's devices run
+(attention, MXFP8, the ragged exchange: read from the devices, not the host's),
+which positions its tokens hold and how attention reaches the rest of their
+sequences (a chunk of each under `context`: `jaxmoe.parallel.context`), pin
 activations to the batch split, run an MoE layer's dispatch (the expert-parallel
-dispatchers join the local ones here), total a per-shard router statistic over
-the batch or the sequence, run the stacked MoE layers (a scan, or a pipeline over
-`stage`), and weigh what it computed from its output, the loss or a row's score
-(with pipeline stages, the last stage's output, or each stage's share of it).
+dispatchers join the local ones here), total a per-shard router statistic, run the
+stacked MoE layers (a scan, or a pipeline over `stage` of the stack held as
+`StageStack` chunks), and, for the loss, which rows run outside the MoE stack and
+what part of the output this program holds (with pipeline stages, the last stage's
+output, or each stage's share of it: `StageRowsLayout`).
+
+Where the training state lives and what the step does to it is the program's
+(`jaxmoe.step.program`), which holds one of these.
 
 - `GlobalLayout`: the model sees global arrays and XLA partitions the program
   (fsdp, and the pure-function API with `mesh=`). Expert-parallel dispatchers
@@ -31,14 +28,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxmoe.config import Config, MoEConfig, check_expert_split
 from jaxmoe.model.dispatch import LOCAL, Dispatched
-from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
+from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout, choose_dispatcher
 from jaxmoe.model.router import Routing
-from jaxmoe.model.transformer import in_moe_stack, map_moe_stack
 from jaxmoe.ops.kernels import Kernels
 from jaxmoe.parallel import context, ep_dispatch, sharding
 from jaxmoe.parallel.pipeline import StageStack, device_pipeline, pipeline
@@ -56,8 +51,8 @@ class GlobalLayout(LocalLayout):
     dispatchers = {**LOCAL, **ep_dispatch.EXPERT_PARALLEL}
 
     def __init__(self, mesh: Mesh, cfg: Config | None = None):
-        """cfg: the model's config, needed to run its MoE stack and to place the
-        training state (a single MoE layer needs only the mesh)."""
+        """cfg: the model's config, needed to run its MoE stack (a single MoE layer
+        needs only the mesh)."""
         self.cfg, self.mesh = cfg, mesh
         self.kernels = Kernels.of_mesh(mesh)  # what the mesh's devices run
         self.batch_shards = mesh.shape["data"] * mesh.shape["expert"]
@@ -66,69 +61,15 @@ class GlobalLayout(LocalLayout):
         self.stack = None if cfg is None or S == 1 or not cfg.num_moe_layers else \
             StageStack.of(cfg.num_moe_layers, S, cfg.pipeline.virtual_stages)
 
-    # -- where the training state and the batch live
-
-    def stored(self, tree):
-        """A model-order tree (params, buffers, a gradient of them) as this layout keeps
-        it: with pipeline stages, each MoE leaf [Lm, ...] as [W, S, per, ...]."""
-        return tree if self.stack is None else map_moe_stack(self.stack.stored, tree)
-
-    def in_model_order(self, tree):
-        """`stored`'s inverse: every MoE leaf [Lm, ...] in model order."""
-        if self.stack is None:
-            return tree
-        return map_moe_stack(lambda a: self.stack.model(a, self.cfg.num_moe_layers), tree)
-
-    def _specs(self, abs_tree: nnx.State) -> nnx.State:
-        """The rules table's specs of a model-order tree, for its `stored` form: a MoE
-        leaf's (layers, ...) spec becomes (None, layers, None, ...) over [W, S, per]."""
-        specs = sharding.state_specs(abs_tree, sharding.RULES[self.cfg.mesh.parallelism])
-        if self.stack is None:
-            return specs
-
-        def stage_view(path, var):
-            if not in_moe_stack(path):
-                return var
-            layers, *rest = var.get_value()
-            return var.replace(P(None, layers, None, *rest))
-
-        return jax.tree_util.tree_map_with_path(stage_view, specs,
-                                                is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-    def param_specs(self, abs_params: nnx.State) -> nnx.State:
-        """Where the (stored) parameters are used, from the model-order abstract
-        parameters: `mesh.parallelism`'s rules table."""
-        return self._specs(abs_params)
-
-    def buffer_specs(self, abs_buffers: nnx.State) -> nnx.State:
-        return self._specs(abs_buffers)
-
-    def optimizer_specs(self, abs_params: nnx.State, use: nnx.State) -> nnx.State:
-        """Where each parameter's optimizer state lives (`use`: where the parameter
-        is used): its ZeRO-1 split over the axes holding copies of it, when on."""
-        if not self.cfg.mesh.zero1:
-            return use
-        return jax.tree.map(lambda p, s: sharding.zero1_spec(s, p.shape, self.mesh),
-                            abs_params, use, is_leaf=lambda x: isinstance(x, P))
-
-    @property
-    def batch_sharding(self) -> NamedSharding:
-        return sharding.batch_sharding(self.mesh)
-
     # -- what the model asks
 
     def constrain_batch(self, x: jax.Array) -> jax.Array:
         return sharding.constrain_batch(x, self.mesh)
 
-    def own_share(self, a_Lmx: jax.Array) -> jax.Array:
-        """Per-MoE-layer values [Lm, ...] in model order (e.g. router bias updates) as
-        this program holds the layers: all of them, stored as the stack is."""
-        return a_Lmx if self.stack is None else self.stack.stored(a_Lmx)
-
     def dispatch(self, x_TxD, routing: Routing, weights, cfg: MoEConfig) -> Dispatched:
         """The chosen per-device dispatcher in a `shard_map` over the batch (and, for an
         expert-parallel one, the experts over `expert`); drops summed over the batch."""
-        dispatcher = self.dispatcher(cfg)
+        dispatcher = choose_dispatcher(self.dispatchers, cfg)
         expert_parallel = cfg.dispatcher not in LOCAL
         if expert_parallel:
             check_expert_split(cfg.num_experts, self.mesh.shape["expert"])
@@ -195,20 +136,13 @@ class DeviceLayout(GlobalLayout):
 
     def dispatch(self, x_TxD, routing: Routing, weights, cfg: MoEConfig) -> Dispatched:
         """Already inside the step's `shard_map`: the per-device dispatcher itself."""
-        return self.dispatcher(cfg)(x_TxD, routing, weights, cfg, self.kernels)
+        return choose_dispatcher(self.dispatchers, cfg)(x_TxD, routing, weights, cfg,
+                                                        self.kernels)
 
     def output_share(self, x: jax.Array) -> jax.Array:
         """With pipeline stages only the last stage holds the model's output."""
         S = self.mesh.shape["stage"]
         return x if S == 1 else jnp.where(lax.axis_index("stage") == S - 1, x, 0.0)
-
-    def own_share(self, a_Lmx: jax.Array) -> jax.Array:
-        """This device's share of per-MoE-layer values [Lm, ...]: its stage's chunks,
-        [W, 1, per, ...] (zeros in padding slots)."""
-        if self.stack is None:
-            return a_Lmx
-        return lax.dynamic_slice_in_dim(self.stack.stored(a_Lmx), lax.axis_index("stage"), 1,
-                                        axis=1)
 
     _pipeline = staticmethod(device_pipeline)  # one device's stage of the schedule
 
@@ -221,15 +155,6 @@ class DeviceLayout(GlobalLayout):
         """As `output_sum`, for a maximum: the last stage's (-inf elsewhere)."""
         S = self.mesh.shape["stage"]
         return x if S == 1 else jnp.where(lax.axis_index("stage") == S - 1, x, -jnp.inf)
-
-    def rows_split_over_stages(self, rows: int) -> DeviceLayout:
-        """The layout for a loss over `rows` rows a device: with pipeline stages and rows
-        that divide among them, one (`StageRowsLayout`) whose stages share the work
-        outside the pipeline instead of each doing all of it; else this one."""
-        S = self.mesh.shape["stage"]
-        if self.stack is None or rows % S:
-            return self
-        return StageRowsLayout(self)
 
 
 class StageRowsLayout(DeviceLayout):
@@ -251,7 +176,7 @@ class StageRowsLayout(DeviceLayout):
         self.inside = inside
         self.stages = self.mesh.shape["stage"]
 
-    def own_rows(self, rows_bxN: jax.Array) -> jax.Array:
+    def rows_outside_stack(self, rows_bxN: jax.Array) -> jax.Array:
         """This stage's contiguous 1 / S of the device's rows."""
         part = rows_bxN.shape[0] // self.stages
         return lax.dynamic_slice_in_dim(rows_bxN, lax.axis_index("stage") * part, part, axis=0)

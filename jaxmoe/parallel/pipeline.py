@@ -46,7 +46,7 @@ from jaxmoe.model.attention import MAX_STATS, unmeasured
 from jaxmoe.model.experts import mx_copies, with_mx_copies
 from jaxmoe.model.moe import MEAN_STATS
 from jaxmoe.model.remat import REMAT_POLICIES, keeping_layer_inputs
-from jaxmoe.model.transformer import scan_layers
+from jaxmoe.model.transformer import map_moe_stack, scan_layers
 from jaxmoe.parallel.ddp import Sharded
 from jaxmoe.parallel.sharding import BATCH_AXES
 
@@ -94,6 +94,17 @@ class StageStack(NamedTuple):
     def real(self, num_layers: int) -> jax.Array:
         """bool [W, S, Lp]: which slots hold a layer of the model (the rest pad)."""
         return jnp.arange(self.slots).reshape(self.virtual, self.stages, self.per) < num_layers
+
+
+def held(stack: StageStack | None, tree):
+    """A model-order tree (params, buffers, a gradient of them) as stages hold it: each
+    MoE leaf [Lm, ...] as [W, S, per, ...] (None: as the model has it)."""
+    return tree if stack is None else map_moe_stack(stack.stored, tree)
+
+
+def in_model_order(stack: StageStack | None, tree, num_layers: int):
+    """`held`'s inverse: every MoE leaf [Lm, ...] in model order."""
+    return tree if stack is None else map_moe_stack(lambda a: stack.model(a, num_layers), tree)
 
 
 def _stage_fn(graphdef, positions_bxL, layout, remat: str, padded: bool):

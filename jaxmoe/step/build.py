@@ -9,7 +9,6 @@ training capacity (the held-out loss), `score_step` dropless (downstream tasks).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -26,12 +25,11 @@ from jaxmoe.model.transformer import Transformer
 from jaxmoe.optim import make_optimizer, qk_clip
 from jaxmoe.optim.schedules import learning_rate_schedule
 from jaxmoe.parallel import sharding
-from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
 from jaxmoe.parallel.sharding import BATCH_AXES
-from jaxmoe.step.checks import check_mesh, check_optimizer, uses_per_device_step
+from jaxmoe.step.checks import check_mesh, uses_per_device_step
 from jaxmoe.step.loss import (accumulate_gradients, make_loss_fn, make_score_fn,
                               overflowed_buffers, step_metrics, tokens_after, with_tokens_after)
-from jaxmoe.step.program import AutoProgram, DeviceProgram, sharded_master
+from jaxmoe.step.program import AutoProgram, DeviceProgram, Program, sharded_master
 
 
 class TrainState(NamedTuple):
@@ -49,7 +47,7 @@ class Steps:
 
     cfg: Config
     mesh: Mesh
-    layout: GlobalLayout  # where the state lives (MoE stacks by pipeline stage)
+    program: Program  # where the state lives (MoE stacks by pipeline stage) and the step runs
     graphdef: nnx.GraphDef
     state_shardings: TrainState
     batch_sharding: NamedSharding
@@ -64,8 +62,8 @@ class Steps:
     def model(self, state: TrainState) -> Transformer:
         """An nnx view of the state's parameters, MoE layers in model order (for
         notebooks and generation)."""
-        return nnx.merge(self.graphdef, self.layout.in_model_order(state.params),
-                         self.layout.in_model_order(state.buffers))
+        return nnx.merge(self.graphdef, self.program.in_model_order(state.params),
+                         self.program.in_model_order(state.buffers))
 
 
 def abstract_model(cfg: Config) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
@@ -74,7 +72,7 @@ def abstract_model(cfg: Config) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     return nnx.split(model, nnx.Param, ...)
 
 
-def state_shardings(cfg: Config, layout: GlobalLayout, tx: optax.GradientTransformation,
+def state_shardings(cfg: Config, program: Program, tx: optax.GradientTransformation,
                     abs_params: nnx.State, abs_buffers: nnx.State) -> TrainState:
     """Where each part of the state lives (`abs_params`, `abs_buffers`: the model's).
 
@@ -82,9 +80,8 @@ def state_shardings(cfg: Config, layout: GlobalLayout, tx: optax.GradientTransfo
     compute the fp32 master weights are split the same way and a bf16 working
     copy is gathered inside the step.
     """
-    stored = jax.eval_shape(layout.stored, abs_params)
-    param_specs = layout.param_specs(abs_params)
-    zero1 = layout.optimizer_specs(stored, param_specs)
+    stored = jax.eval_shape(program.stored, abs_params)
+    param_specs, zero1 = program.use_specs, program.shard_specs
     abs_opt = jax.eval_shape(tx.init, stored)
     # Each copy of the parameter tree in the optimizer state is placed like the
     # parameters' ZeRO-1 shards where its tensors have the parameters' shapes; the
@@ -94,16 +91,16 @@ def state_shardings(cfg: Config, layout: GlobalLayout, tx: optax.GradientTransfo
         transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
     if sharded_master(cfg):
         param_specs = zero1
-    specs = TrainState(P(), param_specs, layout.buffer_specs(abs_buffers), opt_specs, P(), P())
-    return sharding.named(layout.mesh, specs)
+    specs = TrainState(P(), param_specs, program.buffer_specs(abs_buffers), opt_specs, P(), P())
+    return sharding.named(program.mesh, specs)
 
 
-def new_buffers(cfg: Config, layout, state: TrainState, aux, finite) -> nnx.State:
+def new_buffers(cfg: Config, program: Program, state: TrainState, aux, finite) -> nnx.State:
     """Router biases after the step (unchanged on a skipped one)."""
     buffers = state.buffers
     if cfg.num_moe_layers and cfg.moe.expert_bias:
         buffers = update_expert_bias(buffers, aux["counts"], cfg.moe.bias_update_rate,
-                                     layout.own_share, cfg.model.mtp_layers)
+                                     program.own_layers, cfg.model.mtp_layers)
     return jax.tree.map(lambda new, old: jnp.where(finite, new, old), buffers, state.buffers)
 
 
@@ -133,17 +130,17 @@ def make_train_step(cfg: Config, program, loss_fn: Callable, tx, lr_at) -> Calla
                                     grad_norm, apply, **whole)
         if cfg.optimizer.qk_clip:
             params = qk_clip.rescaled(cfg, params, aux[MAX_LOGIT], apply,
-                                      program.layout.own_share, program.own_part)
+                                      program.own_layers, program.own_part)
         # The rate this update used: the schedule runs on the optimizer's count,
         # which skipped steps do not advance.
-        metrics = step_metrics(cfg, program.layout, loss, ce, aux, grad_norm,
+        metrics = step_metrics(cfg, program.mesh, loss, ce, aux, grad_norm,
                                lr_at(state.opt_state.count), finite, program.tokens(rows, extra))
         bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
         metrics["bad_steps"] = bad_steps
         metrics["overflowed"] = overflowed.astype(jnp.int32)
         return TrainState(state.step + (~overflowed).astype(state.step.dtype),
                           program.gathered(params),
-                          new_buffers(cfg, program.layout, state, aux, apply), opt_state,
+                          new_buffers(cfg, program, state, aux, apply), opt_state,
                           state.key, bad_steps), metrics
 
     return train_step
@@ -182,58 +179,48 @@ def apply_gradients(tx: optax.GradientTransformationExtraArgs, params, opt_state
 def build_steps(cfg: Config, mesh: Mesh) -> Steps:
     """Compiles init, train and eval steps for `cfg` on `mesh`."""
     check_mesh(cfg, mesh)
-    layout = GlobalLayout(mesh, cfg)
     graphdef, abs_params, abs_buffers = abstract_model(cfg)
+    per_device = uses_per_device_step(cfg)
+    program = (DeviceProgram if per_device else AutoProgram)(cfg, mesh, abs_params)
     tx = make_optimizer(cfg.optimizer, cfg.train.steps)
     lr_at = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
-    shardings = state_shardings(cfg, layout, tx, abs_params, abs_buffers)
-    batch_sh = layout.batch_sharding
-    use_specs = layout.param_specs(abs_params)
-    shard_specs = layout.optimizer_specs(jax.eval_shape(layout.stored, abs_params), use_specs)
-    check_optimizer(cfg, mesh, abs_params, shard_specs)
+    shardings = state_shardings(cfg, program, tx, abs_params, abs_buffers)
+    batch_sh = program.batch_sharding
 
     def init(key):
-        # the same model on any mesh, made as the layout holds it (each stage's chunks
+        # the same model on any mesh, made as the program holds it (each stage's chunks
         # drawn on that stage)
-        model = Transformer.of(cfg, nnx.Rngs(params=key), held=layout.stack)
+        model = Transformer.of(cfg, nnx.Rngs(params=key), held=program.stack)
         _, params, buffers = nnx.split(model, nnx.Param, ...)
         zero = jnp.zeros((), jnp.int32)
         return TrainState(zero, params, buffers, tx.init(params), key, zero)
 
-    # the same parameters with buffers that drop nothing: only the model's MoE config differs
-    dropless_graphdef = abstract_model(dropless(cfg))[0]
-    if uses_per_device_step(cfg):
-        model_layout = DeviceLayout(mesh, cfg)
-        program = DeviceProgram(cfg, model_layout, use_specs, shard_specs)
+    train_step = make_train_step(cfg, program, make_loss_fn(cfg, graphdef, program.loss_layout),
+                                 tx, lr_at)
+    on_mesh = lambda f: f  # noqa: E731
+    if per_device:
         specs = jax.tree.map(lambda s: s.spec, shardings,
                              is_leaf=lambda x: isinstance(x, NamedSharding))
-        # a loss slice's rows per device
-        rows = cfg.train.batch_size // math.prod(mesh.shape[a] for a in BATCH_AXES)
-        loss_layout = model_layout.rows_split_over_stages(rows // cfg.train.accumulation_steps)
-        train_step = jax.shard_map(
-            make_train_step(cfg, program, make_loss_fn(cfg, graphdef, loss_layout), tx, lr_at),
-            mesh=mesh, in_specs=(specs, P(BATCH_AXES)), out_specs=(specs, P()), check_vma=True)
+        train_step = jax.shard_map(train_step, mesh=mesh, in_specs=(specs, P(BATCH_AXES)),
+                                   out_specs=(specs, P()), check_vma=True)
         rows = P(BATCH_AXES)
         on_mesh = lambda f: jax.shard_map(  # noqa: E731
             f, mesh=mesh, in_specs=(specs.params, specs.buffers, rows, rows),
             out_specs={"logprob": rows, "greedy": rows}, check_vma=True)
-    else:
-        model_layout = layout
-        program = AutoProgram(cfg, layout, use_specs)
-        train_step = make_train_step(cfg, program, make_loss_fn(cfg, graphdef, layout), tx, lr_at)
-        on_mesh = lambda f: f  # noqa: E731
 
+    # the same parameters with buffers that drop nothing: only the model's MoE config differs
+    dropless_graphdef = abstract_model(dropless(cfg))[0]
     rep = sharding.replicated(mesh)
-    options = layout.kernels.compiler_options
+    options = program.layout.kernels.compiler_options
 
     def scoring(model_graphdef):
         step = on_mesh(make_score_step(program, make_score_fn(cfg, model_graphdef,
-                                                                 model_layout)))
+                                                                 program.layout)))
         return jax.jit(step, in_shardings=(shardings.params, shardings.buffers, batch_sh, batch_sh),
                        out_shardings=rep, compiler_options=options)
 
     return Steps(
-        cfg=cfg, mesh=mesh, layout=layout, graphdef=graphdef, state_shardings=shardings,
+        cfg=cfg, mesh=mesh, program=program, graphdef=graphdef, state_shardings=shardings,
         batch_sharding=batch_sh,
         init=jax.jit(init, in_shardings=rep, out_shardings=shardings, compiler_options=options),
         train_step=jax.jit(train_step, in_shardings=(shardings, batch_sh),

@@ -38,7 +38,7 @@ def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout: LocalLayout) -> Ca
 
     def loss_fn(working, buffers, tokens_BxLn, key, copies):
         model = nnx.merge(graphdef, with_mx_copies(working, copies), buffers)
-        tokens_BxLn = layout.own_rows(tokens_BxLn)
+        tokens_BxLn = layout.rows_outside_stack(tokens_BxLn)
         L = tokens_BxLn.shape[1] - tokens_after(cfg)
         x, aux = model.hidden(tokens_BxLn[:, :L], layout=layout, key=key, remat=t.remat)
         ce = model.cross_entropy(x, tokens_BxLn[:, 1:L + 1], layout, t.loss_chunk)
@@ -140,7 +140,7 @@ def _zeros(a: jax.ShapeDtypeStruct) -> jax.Array:
     return vary(jnp.zeros(a.shape, a.dtype), varying_axes(a))
 
 
-def step_metrics(cfg: Config, layout, loss, ce, aux, grad_norm, lr, finite, num_tokens: int):
+def step_metrics(cfg: Config, mesh, loss, ce, aux, grad_norm, lr, finite, num_tokens: int):
     """The step's metrics from its (global, summed over accumulation steps) losses and stats."""
     A = cfg.train.accumulation_steps
     metrics = {"loss": loss / A, "ce": ce / A, "grad_norm": grad_norm, "lr": lr,
@@ -153,7 +153,7 @@ def step_metrics(cfg: Config, layout, loss, ce, aux, grad_norm, lr, finite, num_
     if cfg.num_moe_layers:
         aux = {**aux, **{k: aux[k] / A for k in MEAN_STATS}}
         metrics |= {k: jnp.mean(aux[k]) for k in MEAN_STATS}
-        metrics |= load_metrics(aux, num_tokens, cfg.moe.top_k, layout.mesh.shape["expert"],
+        metrics |= load_metrics(aux, num_tokens, cfg.moe.top_k, mesh.shape["expert"],
                                 cfg.moe.balance_loss_weight)
     return metrics
 

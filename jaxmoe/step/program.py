@@ -1,11 +1,15 @@
 """Where the step runs: the auto-sharded program (fsdp) or one device's program inside
 a `shard_map` over the whole mesh (ddp).
 
-Every step makes the working copy of the parameters, sums the gradients over the
-accumulation slices and reduces them, totals the losses and stats, takes the norm and
-the finite check, lets the optimizer update the parameters the program owns, then
-gathers them. What differs between the two programs is each of those verbs; the step's
-body (`jaxmoe.step.build.make_train_step`) is written once against them.
+A program answers the step, a layout (`jaxmoe.parallel.layout`) the forward pass
+inside it: the program holds the layout its model runs with, places the training
+state, and does what the step does to the state around the forward pass. Every step
+makes the working copy of the parameters, sums the gradients over the accumulation
+slices and reduces them, totals the losses and stats, takes the norm and the finite
+check, lets the optimizer update the parameters the program owns, then gathers
+them. What differs between the two programs is each of those verbs; the step's body
+(`jaxmoe.step.build.make_train_step`) is written once against them. Where the state
+lives is the same for both (`Program`).
 """
 
 from __future__ import annotations
@@ -28,20 +32,82 @@ from jaxmoe.optim.muon import on_one_device
 from jaxmoe.optim.params import param_name
 from jaxmoe.parallel import sharding
 from jaxmoe.parallel import context, ddp
-from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout
-from jaxmoe.parallel.sharding import TOKEN_AXES
+from jaxmoe.parallel.layout import DeviceLayout, GlobalLayout, StageRowsLayout
+from jaxmoe.parallel.pipeline import held, in_model_order
+from jaxmoe.parallel.sharding import BATCH_AXES, TOKEN_AXES
+from jaxmoe.step.checks import check_optimizer
 
 
 # per-shard means among the losses' aux: totalled over shards, they are divided by their count
 SHARD_MEANS = (*MEAN_STATS, "mtp_ce")
 
 
-class AutoProgram:
+class Program:
+    """Where the training state lives, the same for both programs: the parameters and
+    buffers where `mesh.parallelism`'s rules table puts them (with pipeline stages
+    the MoE stack held as its stages hold it, [W, S, per, ...]: `StageStack`), the
+    optimizer state (and, with bf16 compute, the fp32 masters) in ZeRO-1 shards over
+    each tensor's replica axes, the batch split over the batch axes."""
+
+    def __init__(self, cfg: Config, layout: GlobalLayout, abs_params: nnx.State):
+        """abs_params: the model's abstract parameters, in model order."""
+        self.cfg, self.layout, self.mesh, self.stack = cfg, layout, layout.mesh, layout.stack
+        self.loss_layout = layout  # what the training loss's forward runs with
+        self.use_specs = self._specs(abs_params)  # where each (held) parameter is used
+        # where its optimizer state lives
+        self.shard_specs = self._zero1_specs(jax.eval_shape(self.stored, abs_params))
+        check_optimizer(cfg, self.mesh, abs_params, self.shard_specs)
+
+    def stored(self, tree):
+        """A model-order tree (params, buffers, a gradient of them) as the state holds it."""
+        return held(self.stack, tree)
+
+    def in_model_order(self, tree):
+        """`stored`'s inverse."""
+        return in_model_order(self.stack, tree, self.cfg.num_moe_layers)
+
+    def own_layers(self, a_Lmx: jax.Array) -> jax.Array:
+        """Per-MoE-layer values [Lm, ...] in model order (router bias updates, QK-clip
+        factors) as this program holds the layers: all of them, held as the stack is."""
+        return a_Lmx if self.stack is None else self.stack.stored(a_Lmx)
+
+    def buffer_specs(self, abs_buffers: nnx.State) -> nnx.State:
+        return self._specs(abs_buffers)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return sharding.batch_sharding(self.mesh)
+
+    def _specs(self, abs_tree: nnx.State) -> nnx.State:
+        """The rules table's specs of a model-order tree, for its held form: a MoE
+        leaf's (layers, ...) spec becomes (None, layers, None, ...) over [W, S, per]."""
+        specs = sharding.state_specs(abs_tree, sharding.RULES[self.cfg.mesh.parallelism])
+        if self.stack is None:
+            return specs
+
+        def stage_view(path, var):
+            if not in_moe_stack(path):
+                return var
+            layers, *rest = var.get_value()
+            return var.replace(P(None, layers, None, *rest))
+
+        return jax.tree_util.tree_map_with_path(stage_view, specs,
+                                                is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def _zero1_specs(self, abs_stored: nnx.State) -> nnx.State:
+        """Each parameter's ZeRO-1 split over the axes holding copies of it, when on."""
+        if not self.cfg.mesh.zero1:
+            return self.use_specs
+        return jax.tree.map(lambda p, s: sharding.zero1_spec(s, p.shape, self.mesh),
+                            abs_stored, self.use_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+class AutoProgram(Program):
     """fsdp: one program on global arrays; XLA places the reductions (inside the
     accumulation loop, as it chooses)."""
 
-    def __init__(self, cfg: Config, layout: GlobalLayout, use_specs: nnx.State):
-        self.cfg, self.layout, self.use_specs = cfg, layout, use_specs
+    def __init__(self, cfg: Config, mesh: Mesh, abs_params: nnx.State):
+        super().__init__(cfg, GlobalLayout(mesh, cfg), abs_params)
 
     def start(self, step_key, batch_BxLn, extra: int = 1):
         return step_key, self.own_rows(batch_BxLn, extra)
@@ -53,7 +119,7 @@ class AutoProgram:
         return x_B
 
     def working(self, params):
-        return working_copy(self.cfg, self.layout.mesh, params, self.use_specs)
+        return working_copy(self.cfg, self.mesh, params, self.use_specs)
 
     def reduce(self, grads):
         return jax.tree.map(lambda g: g.astype(jnp.float32) / self.cfg.train.accumulation_steps,
@@ -81,7 +147,7 @@ class AutoProgram:
         return x
 
 
-class DeviceProgram:
+class DeviceProgram(Program):
     """ddp: one device's program inside a `shard_map` over the whole mesh.
 
     Each device runs the model on its own rows with its dense replicas and its
@@ -90,10 +156,10 @@ class DeviceProgram:
     updates them; the new shards are gathered once.
     """
 
-    def __init__(self, cfg: Config, layout: DeviceLayout, use_specs: nnx.State,
-                 shard_specs: nnx.State):
-        self.cfg, self.layout, self.mesh = cfg, layout, layout.mesh
-        self.plans = ddp.reductions(use_specs, shard_specs, self.mesh)
+    def __init__(self, cfg: Config, mesh: Mesh, abs_params: nnx.State):
+        super().__init__(cfg, DeviceLayout(mesh, cfg), abs_params)
+        self.loss_layout = self._loss_layout()
+        self.plans = ddp.reductions(self.use_specs, self.shard_specs, mesh)
         self.sharded_master = sharded_master(cfg)
         self.context = sharding.axis_size(self.mesh, "context")
         # devices holding different tokens: what the losses and gradients average over
@@ -102,13 +168,30 @@ class DeviceProgram:
         self.plan_of = {param_name(path): r for path, r in jax.tree_util.tree_leaves_with_path(
             self.plans, is_leaf=lambda x: isinstance(x, ddp.Reduction))}
 
+    def _loss_layout(self) -> DeviceLayout:
+        """With pipeline stages and a loss slice's rows that divide among them, a layout
+        whose stages share the work outside the pipeline instead of each doing all of
+        it (`StageRowsLayout`); else the device layout."""
+        rows = self.cfg.train.batch_size // math.prod(self.mesh.shape[a] for a in BATCH_AXES)
+        if self.stack is None or rows // self.cfg.train.accumulation_steps % self.stack.stages:
+            return self.layout
+        return StageRowsLayout(self.layout)
+
+    def own_layers(self, a_Lmx: jax.Array) -> jax.Array:
+        """This device's share of per-MoE-layer values [Lm, ...]: its stage's chunks,
+        [W, 1, per, ...] (zeros in padding slots)."""
+        if self.stack is None:
+            return a_Lmx
+        return lax.dynamic_slice_in_dim(self.stack.stored(a_Lmx), lax.axis_index("stage"), 1,
+                                        axis=1)
+
     def _defers(self, path, r: ddp.Reduction) -> bool:
         """Whether a parameter reaches the model as its ZeRO-1 shard, for a circular
         pipeline to gather round by round and reduce its gradient in the same loop
         (`device_pipeline`): a stage-held stack's tensor split only by ZeRO-1 over all
         its replica axes, in a step of one slice that reduces in the compute dtype."""
         cfg = self.cfg
-        return (self.layout.stack is not None and cfg.pipeline.virtual_stages > 1
+        return (self.stack is not None and cfg.pipeline.virtual_stages > 1
                 and in_moe_stack(path) and self.sharded_master
                 and cfg.train.accumulation_steps == 1
                 and cfg.train.grad_reduce_dtype == cfg.model.compute_dtype

@@ -25,7 +25,7 @@ def place_weights(steps: Steps, weights: dict) -> tuple[nnx.State, nnx.State]:
     _, params, buffers = abstract_model(steps.cfg)
     params.replace_by_pure_dict(_only(weights, params.to_pure_dict()))
     buffers.replace_by_pure_dict(_only(weights, buffers.to_pure_dict()))
-    shardings, stored = steps.state_shardings, steps.layout.stored  # on the host
+    shardings, stored = steps.state_shardings, steps.program.stored  # on the host
     return (jax.device_put(stored(params), shardings.params),
             jax.device_put(stored(buffers), shardings.buffers))
 

@@ -195,14 +195,14 @@ PIPELINE = ({"data": 1, "stage": 2, "expert": 4}, "alltoall", {"stage_microbatch
 def _lm_head_flops(cfg, monkeypatch=None, whole_rows=False):
     """The LM head's FLOPs (the main head and the MTP modules') in the step XLA:CPU
     compiles for `cfg`, per device; whole_rows: every stage runs all its rows."""
-    from jaxmoe.parallel.layout import DeviceLayout as Layout
     from jaxmoe.plan.hlo import Program
+    from jaxmoe.step.program import DeviceProgram
     from jaxmoe.plan.program_flops import program_flops
     from jaxmoe.parallel.sharding import make_mesh
     from jaxmoe.step import build_steps
 
     if whole_rows:
-        monkeypatch.setattr(Layout, "rows_split_over_stages", lambda self, rows: self)
+        monkeypatch.setattr(DeviceProgram, "_loss_layout", lambda self: self.layout)
     steps = build_steps(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
     state = steps.init(jax.random.PRNGKey(0))
     rows = jax.device_put(batch(cfg), steps.batch_sharding)
@@ -223,7 +223,7 @@ def test_stages_share_the_work_outside_the_pipeline(one_device, monkeypatch):
     with monkeypatch.context() as m:
         whole = _lm_head_flops(cfg, m, whole_rows=True)
     assert whole == pytest.approx(2 * shared, rel=1e-6)
-    monkeypatch.setattr(StageRowsLayout, "own_rows",
+    monkeypatch.setattr(StageRowsLayout, "rows_outside_stack",
                         lambda self, rows: rows[:rows.shape[0] // self.stages])
     got = first_step(cfg)
     assert abs(got[0]["ce"] - one_device[0]["ce"]) > 1e-4

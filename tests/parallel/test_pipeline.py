@@ -172,7 +172,7 @@ def test_pipeline_config_errors():
     # 4 MoE layers on 3 stages: padded to 3 chunks of 2, whatever says the stage count
     open_stage = config_from_dict({**BASE, "mesh": {"data": 2, "stage": -1}})
     steps = build_steps(open_stage, make_mesh(open_stage.mesh, jax.devices()[:6]))
-    assert steps.layout.stack == StageStack(1, 3, 2)
+    assert steps.program.stack == StageStack(1, 3, 2)
     # -1 resolved to 8 stages: refused when the mesh is known, before compiling
     with pytest.raises(ConfigError, match="^mesh.stage: 4 MoE layers cannot fill 8 stages"):
         build_steps(config_from_dict({**BASE, "mesh": {"data": 1, "stage": -1}}),
@@ -197,7 +197,7 @@ def test_circular_init_holds_no_more_than_one_round():
 
     def reshaped(key):  # the model-order draw, laid out afterwards
         _, params, _ = nnx.split(Transformer.of(cfg, nnx.Rngs(params=key)), nnx.Param, ...)
-        return steps.layout.stored(params)
+        return steps.program.stored(params)
 
     by_reshape = jax.jit(reshaped, out_shardings=steps.state_shardings.params).lower(
         key).compile().memory_analysis().temp_size_in_bytes
@@ -237,7 +237,7 @@ def test_stage_held_stacks_equal_sequential(stages, virtual, dispatcher, expert,
     cfg = config_from_dict(raw)
     mesh = make_mesh(cfg.mesh)
     steps = build_steps(cfg, mesh)
-    stack = steps.layout.stack
+    stack = steps.program.stack
     assert stack.slots == 8 and (stack.virtual, stack.stages) == (virtual, stages)
     state = steps.init(jax.random.PRNGKey(0))
     tokens = jax.device_put(TOKENS, steps.batch_sharding)
@@ -292,15 +292,16 @@ def test_each_stage_device_holds_its_own_chunks_of_an_update():
     chunks (circular and padded here)."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxmoe.parallel.layout import DeviceLayout
+    from jaxmoe.step.build import abstract_model
+    from jaxmoe.step.program import DeviceProgram
     cfg = config_from_dict({**BASE, "model": {**BASE["model"], "num_layers": 8},
                             "mesh": {"data": 2, "stage": 2, "expert": 2},
                             "moe": {**BASE["moe"], "dispatcher": "alltoall"},
                             "pipeline": {"stage_microbatches": 2, "virtual_stages": 2}})
     mesh = make_mesh(cfg.mesh)
-    layout = DeviceLayout(mesh, cfg)
+    program = DeviceProgram(cfg, mesh, abstract_model(cfg)[1])
     layers = jnp.arange(7, dtype=jnp.float32) + 1  # model layer m + 1; pads 0
-    held = jax.jit(jax.shard_map(lambda: layout.own_share(layers), mesh=mesh, in_specs=(),
+    held = jax.jit(jax.shard_map(lambda: program.own_layers(layers), mesh=mesh, in_specs=(),
                                  out_specs=P(None, "stage")))()
     np.testing.assert_array_equal(held, [[[1, 2], [3, 4]], [[5, 6], [7, 0]]])
 
