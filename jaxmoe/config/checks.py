@@ -8,9 +8,14 @@ failure is a `ConfigError` naming the key at fault. The checks that need the dev
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from jaxmoe.config.sections import (MESH_AXES, Config, DataConfig, LoggingConfig, MeshConfig,
-                                    ModelConfig, MoEConfig, OptimizerConfig, TrainConfig)
+if TYPE_CHECKING:  # the sections run these checks when made: they import this module
+    from jaxmoe.config.sections import (Config, DataConfig, LoggingConfig, MeshConfig,
+                                        ModelConfig, MoEConfig, OptimizerConfig, TrainConfig)
+
+# the device mesh's axes, outermost first (`jaxmoe.parallel.sharding` says what each holds)
+MESH_AXES = ("data", "stage", "context", "expert")
 
 
 class ConfigError(ValueError):
@@ -157,7 +162,7 @@ def check_optimizer(o: OptimizerConfig) -> None:
     else:
         for key in ("muon_momentum", "muon_ns_steps", "muon_rms", "muon_ns_dtype",
                     "adamw_params"):
-            require(getattr(o, key) == getattr(OptimizerConfig, key), f"optimizer.{key}",
+            require(getattr(o, key) == getattr(type(o), key), f"optimizer.{key}",
                     f"used by muon only, not {o.name}")
     if o.name in ("adamw", "muon"):
         require(not o.optax_kwargs, "optimizer.optax_kwargs",
@@ -167,7 +172,7 @@ def check_optimizer(o: OptimizerConfig) -> None:
         # the optax optimizer itself (its name, arguments and one test update) is
         # checked where it is built, by jaxmoe.optim.make_optimizer
         for key in ("b1", "b2", "eps"):
-            require(getattr(o, key) == getattr(OptimizerConfig, key), f"optimizer.{key}",
+            require(getattr(o, key) == getattr(type(o), key), f"optimizer.{key}",
                     f"used by adamw only; give {o.name} its {key} in optimizer.optax_kwargs")
 
 

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from jaxmoe.config.checks import MESH_AXES, validate
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -139,10 +141,6 @@ class MoEConfig:
     # micro-batch, each sequence, or the whole (micro)batch across data-parallel ranks
     balance_scope: Literal["microbatch", "sequence", "global"] = "microbatch"
     z_loss_weight: float = 0.001  # the router z-loss's weight (mean squared logsumexp)
-
-
-# the device mesh's axes, outermost first (`jaxmoe.parallel.sharding` says what each holds)
-MESH_AXES = ("data", "stage", "context", "expert")
 
 
 @dataclass(frozen=True)
@@ -359,8 +357,6 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self):
-        from jaxmoe.config.checks import validate  # the checks read these classes
-
         validate(self)
 
     @property
