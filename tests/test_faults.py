@@ -438,7 +438,7 @@ def test_a_save_refused_as_it_starts_exits_within_seconds(trained, tmp_path):
 _KILLED_EXPORT = """
 import os, signal, sys
 from jaxmoe.export import export_hf
-import jaxmoe.hf as hf
+import jaxmoe.hf.checkpoint as hf  # where save_hf finds save_file
 real = hf.save_file
 def half_then_killed(tensors, path, metadata=None):
     real(tensors, path, metadata)

@@ -432,7 +432,7 @@ def test_init_from_hf_starts_a_run_from_the_checkpoint(tmp_path):
     np.testing.assert_allclose(summary["heldout_loss_initial"], float(want), rtol=1e-5)
 
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 # toy widths; the architecture (router, gates, bias, groups, QK-norm, RoPE, dense and
 # shared layers, expert count) stays the shipped config's
 TOY = ["model.vocab_size=256", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
