@@ -92,8 +92,10 @@ for d in ragged alltoall allgather; do
 done
 # 3. MXFP8 expert GEMMs against bf16 (forward and backward), with their time ratio
 check mxfp8 45
-# 4. the native block-scaled GEMM against the emulation, bit for bit (Blackwell+)
+# 4. the native block-scaled GEMM against the emulation, bit for bit (Blackwell+), and
+#    cuDNN's grouped MXFP8 GEMMs (forward, both gradients) against their contract in XLA
 check mxfp8_native 30
+check mxfp8_grouped 60
 # 5. a short bf16 run with `ragged` dispatch: the loss must fall
 check train 120
 # 6. the same steps with XLA's collective/compute overlap on and off: same losses

@@ -377,6 +377,70 @@ def check_mxfp8_native(toy: bool) -> Result:
     return judged("mxfp8_native", differ, 0, f"{native.size} elements, K={a.shape[-1]}", fmt="d")
 
 
+def exact_grouped_operands(rows=(300, 0, 1, 700), I: int = 256, O: int = 256):
+    """Packed rows (each expert's from a multiple of 256, zeros up to it) and weights whose
+    grouped MXFP8 GEMMs are exact in any accumulation order: integers in [-4, 4] with one
+    +-16 in every block of 32, along both axes of each array (at (r + c) % 32 == 0), so
+    every block quantises exactly (its scale 2^-4, or 2^-6 where padding zeros cut the
+    +-16 off) and every sum is an integer below 2^24. Returns (x [M, I], w [E, I, O],
+    dy [M, O], group ends)."""
+    from jaxmoe.ops.mx_grouped import aligned_ends, aligned_rows
+    rng = np.random.default_rng(4)
+
+    def exact(*shape):
+        a = rng.integers(-4, 5, size=shape).astype(np.float32)
+        r, c = np.meshgrid(np.arange(shape[-2]), np.arange(shape[-1]), indexing="ij")
+        return np.where((r + c) % 32 == 0, 16 * rng.choice([-1, 1], size=shape), a)
+
+    ends = np.asarray(aligned_ends(jnp.asarray(rows)))
+    M = aligned_rows(sum(rows), len(rows))
+    x, dy = exact(M, I), exact(M, O)
+    start = 0
+    for n, end in zip(rows, ends):
+        x[start + n:end] = dy[start + n:end] = 0.0
+        start = end
+    x[ends[-1]:] = dy[ends[-1]:] = 0.0
+    return x, exact(len(rows), I, O).astype(np.float32), dy, ends.astype(np.int32)
+
+
+def check_mxfp8_grouped(toy: bool) -> Result:
+    """cuDNN's grouped MXFP8 GEMMs (`jaxmoe.ops.mx_grouped`, "cudnn": forward, input and
+    weight gradient) against the same contract in XLA ("reference") on this GPU, on
+    `exact_grouped_operands`, where any correct kernel is exact: every bit that differs
+    is a wrong scale, layout, group end or operand. Figure: differing elements."""
+    from jaxmoe.ops.mx_grouped import Options, grouped_mx_linear
+    kernels = Kernels.default()
+    if kernels.grouped_gemm(MoEConfig(expert_precision="mxfp8"), 256) != "cudnn":
+        d = jax.devices()[0]
+        return Result("mxfp8_grouped", "SKIPPED",
+                      note=f"no cuDNN grouped MXFP8 GEMM on {d.device_kind} (Blackwell and "
+                           "nvidia-cudnn-frontend)")
+    x, w, dy, ends = exact_grouped_operands()
+    outs = {}
+    for impl in ("cudnn", "reference"):
+        options = Options(impl, True, "ceil")
+
+        def f(x_, w_, impl_options=options):
+            return grouped_mx_linear(x_, mx.quantize_weight(w_), jnp.asarray(ends),
+                                     impl_options)
+
+        y, vjp = jax.vjp(jax.jit(f), jnp.asarray(x), jnp.asarray(w))
+        outs[impl] = [np.asarray(a, np.float64) for a in (y, *vjp(jnp.asarray(dy)))]
+    if perturbed("mxfp8_grouped"):
+        outs["cudnn"][2].flat[0] += 1.0
+    real = np.zeros(len(x), bool)
+    start = 0
+    for n, end in zip((300, 0, 1, 700), ends):
+        real[start:start + n] = True
+        start = end
+    got, want = outs["cudnn"], outs["reference"]
+    differ = [int(np.sum(got[0][real] != want[0][real])), int(np.sum(got[1][real] != want[1][real])),
+              int(np.sum(got[2] != want[2]))]
+    note = (f"y {differ[0]}, dx {differ[1]}, dw {differ[2]} of {real.sum()} rows x "
+            f"{x.shape[1]}, {len(ends)} experts")
+    return judged("mxfp8_grouped", sum(differ), 0, note, fmt="d")
+
+
 # ---------------------------------------------------------------- training
 
 # Uniform prediction over 256 bytes costs ln 256 = 5.55 nats; the training corpus
@@ -609,7 +673,7 @@ def check_roofline(toy: bool) -> Result:
 # What the grouped expert GEMM's program depends on, pinned to one release each by the
 # `cuda` extra (pyproject.toml): its JAX and plugin, and tokamax's kernel through jax-triton.
 STACK = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "tokamax", "jax-triton",
-         "triton")
+         "triton", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl")
 
 
 def extra_pins(extra: str) -> dict[str, str]:
@@ -679,6 +743,7 @@ CHECKS: dict[str, Callable[[bool], Result]] = {
     **{n: (lambda toy, n=n: check_dispatch(n, toy)) for n in DISPATCH_NAMES},
     "mxfp8": check_mxfp8,
     "mxfp8_native": check_mxfp8_native,
+    "mxfp8_grouped": check_mxfp8_grouped,
     "train": check_train,
     "overlap": check_overlap,
     "compile_memory": check_compile_memory,

@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.model.experts import ExpertWeights, expert_ffn, expert_rows_ffn
+from jaxmoe.model.experts import ExpertWeights, expert_ffn, expert_rows_ffn, row_alignment
 from jaxmoe.model.router import Routing
 from jaxmoe.ops.kernels import Kernels
+from jaxmoe.ops.mx_grouped import aligned_rows
 
 
 class Dispatched(NamedTuple):
@@ -67,16 +68,30 @@ def buffer_slots(expert_N: jax.Array, num_experts: int, cap: int) -> tuple[jax.A
     return jnp.where(kept_N, expert_N * cap + row_N, num_experts * cap), kept_N
 
 
-def packed_slots(expert_N: jax.Array, num_experts: int,
-                 cap: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def packed_rows_count(num_experts: int, cap: int, align: int = 1,
+                      copies: int | None = None) -> int:
+    """Rows of the buffers packed for a grouped GEMM: E * cap, or with each expert's rows
+    starting at a multiple of `align` (`jaxmoe.ops.mx_grouped`), room for the kept
+    copies (at most `copies`) and every group's padding."""
+    if align == 1:
+        return num_experts * cap
+    kept = num_experts * cap if copies is None else min(copies, num_experts * cap)
+    return aligned_rows(kept, num_experts, align)
+
+
+def packed_slots(expert_N: jax.Array, num_experts: int, cap: int,
+                 align: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`buffer_slots`' placement and drops with the buffers packed for a grouped GEMM:
-    expert e's kept rows follow those of the experts before it. Returns (slot_N,
-    kept_N, rows_E): rows_E[e] kept copies of expert e; slot E * cap for the dropped."""
+    expert e's kept rows follow those of the experts before it, from a multiple of
+    `align`. Returns (slot_N, kept_N, rows_E): rows_E[e] kept copies of expert e;
+    slot `packed_rows_count` (past the buffers) for the dropped."""
     row_N, counts_E = _arrival_rows(expert_N, num_experts)
     rows_E = jnp.minimum(counts_E, cap)
     kept_N = row_N < cap
-    start_E = jnp.cumsum(rows_E) - rows_E
-    return jnp.where(kept_N, start_E[expert_N] + row_N, num_experts * cap), kept_N, rows_E
+    padded_E = (rows_E + align - 1) // align * align
+    start_E = jnp.cumsum(padded_E) - padded_E
+    past = packed_rows_count(num_experts, cap, align, expert_N.shape[0])
+    return jnp.where(kept_N, start_E[expert_N] + row_N, past), kept_N, rows_E
 
 
 def gather_rows(x_TxD: jax.Array, slot_N: jax.Array, token_N: jax.Array, num_slots: int) -> jax.Array:
@@ -127,10 +142,12 @@ def grouped_dispatch(x_TxD, routing: Routing, w: ExpertWeights, cfg: MoEConfig,
     C = capacity(T, K, E, cfg.capacity_factor)
     expert_N, token_N = routed_copies(routing.expert_TxK)
     kernels = Kernels.default() if kernels is None else kernels
-    if grouped := kernels.grouped_gemm(cfg):
-        slot_N, kept_N, rows_E = packed_slots(expert_N, E, C)
-        x_ECxD = gather_rows(x_TxD, slot_N, token_N, E * C)
-        y_ECxD = expert_rows_ffn(w, x_ECxD, rows_E, kernels, grouped)
+    if grouped := kernels.grouped_gemm(cfg, D):
+        align = row_alignment(grouped)
+        slot_N, kept_N, rows_E = packed_slots(expert_N, E, C, align)
+        rows = packed_rows_count(E, C, align, expert_N.shape[0])
+        x_ECxD = gather_rows(x_TxD, slot_N, token_N, rows)
+        y_ECxD = expert_rows_ffn(w, x_ECxD, rows_E, kernels, grouped, cfg)
     else:
         slot_N, kept_N = buffer_slots(expert_N, E, C)
         x_ExCxD = gather_rows(x_TxD, slot_N, token_N, E * C).reshape(E, C, D)

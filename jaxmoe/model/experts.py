@@ -16,6 +16,8 @@ from jaxmoe.model.remat import EXPERT_DOWN, EXPERT_GATE_UP
 from jaxmoe.ops.grouped_gemm import grouped_matmul
 from jaxmoe.ops.kernels import Kernels
 from jaxmoe.ops.mx import MXWeight, mx_linear, quantize_weight
+from jaxmoe.ops.mx_grouped import ALIGN, IMPLEMENTATIONS as MX_GROUPED, Options as MXOptions
+from jaxmoe.ops.mx_grouped import aligned_ends, grouped_mx_linear
 
 
 class ExpertWeights(NamedTuple):
@@ -88,13 +90,33 @@ def expert_ffn(w: ExpertWeights, x_ExCxD: jax.Array, cfg: MoEConfig | None = Non
     return swiglu_experts(matmul, w, x_ExCxD)
 
 
+def row_alignment(implementation: str) -> int:
+    """The row each expert's packed rows must start at a multiple of, for the grouped
+    GEMM `implementation` (`Kernels.grouped_gemm`): MXFP8's kernels take groups of whole
+    256-row tiles; tokamax's, any rows."""
+    return ALIGN if implementation in MX_GROUPED else 1
+
+
 def expert_rows_ffn(w: ExpertWeights, x_ECxD: jax.Array, rows_E: jax.Array,
-                    kernels: Kernels, implementation: str) -> jax.Array:
+                    kernels: Kernels, implementation: str,
+                    cfg: MoEConfig | None = None) -> jax.Array:
     """Each expert's SwiGLU on exactly its rows, packed expert after expert in `x_ECxD`
-    (rows_E[e] rows each; the rows past them are free and come back unspecified), as
-    a grouped GEMM (`jaxmoe.ops.grouped_gemm`): the routed rows' work and no more."""
-    matmul = lambda x, w_ExIxO: grouped_matmul(x, w_ExIxO, rows_E, kernels,  # noqa: E731
-                                               implementation)
+    (rows_E[e] rows each, from a multiple of `row_alignment` with zero rows up to it;
+    the rows past the last are free and come back unspecified), as a grouped GEMM: the
+    routed rows' work and no more. bf16 experts run `jaxmoe.ops.grouped_gemm`; MXFP8
+    ones (`cfg.expert_precision`) `jaxmoe.ops.mx_grouped`, on the step's weight copies
+    (`with_mx_copies`) or, outside a step, copies made here."""
+    if implementation in MX_GROUPED:
+        options = MXOptions(implementation, cfg.mxfp8_weight_grad, cfg.mxfp8_scale)
+        ends_E = aligned_ends(rows_E)
+
+        def matmul(x, w_ExIxO):
+            if not isinstance(w_ExIxO, MXWeight):
+                w_ExIxO = quantize_weight(w_ExIxO, cfg.mxfp8_scale)
+            return grouped_mx_linear(x, w_ExIxO, ends_E, options, kernels)
+    else:
+        matmul = lambda x, w_ExIxO: grouped_matmul(x, w_ExIxO, rows_E, kernels,  # noqa: E731
+                                                   implementation)
     return swiglu_experts(matmul, w, x_ECxD)
 
 

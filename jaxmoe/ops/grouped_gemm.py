@@ -33,6 +33,7 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from jaxmoe.ops.kernels import Kernels
@@ -61,6 +62,17 @@ def grouped_matmul(x_CxI: jax.Array, w_ExIxO: jax.Array, rows_E: jax.Array,
     axes = varying_axes(x_CxI) | varying_axes(w_ExIxO)
     x_CxI, w_ExIxO = vary(x_CxI, axes), vary(w_ExIxO.astype(x_CxI.dtype), axes)
     return _grouped(x_CxI, w_ExIxO, rows_E, kernels, implementation)
+
+
+def grouped_weight_grad(x_CxI: jax.Array, dy_CxO: jax.Array, rows_E: jax.Array,
+                        kernels: Kernels, implementation: str) -> jax.Array:
+    """[E, I, O] fp32: each expert's rows of x (rows_E[e], packed in order) transposed
+    times the same rows of dy: `grouped_matmul`'s weight gradient, for a caller with
+    its own forward (`jaxmoe.ops.mx_grouped`)."""
+    axes = varying_axes(x_CxI) | varying_axes(dy_CxO)
+    like = vary(jnp.zeros((), jnp.float32), axes)
+    return _ragged_dot(vary(x_CxI, axes), vary(dy_CxO, axes), rows_E, _WEIGHT_GRAD, kernels,
+                       implementation, like)
 
 
 def _no_tuning_notice(record: logging.LogRecord) -> bool:

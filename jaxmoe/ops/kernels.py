@@ -11,11 +11,21 @@ that JAX itself checks on the tracing host (`cudnn_head_max`).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from jaxmoe.config import ModelConfig, MoEConfig
+
+
+_CUDNN_WIDTH = 64  # cuDNN's grouped MXFP8 GEMMs take outputs of a multiple of 64 columns
+
+
+def _cudnn_frontend() -> bool:
+    """Whether cuDNN's frontend (its JAX grouped GEMMs) is installed: the `cuda` and
+    `gpu-compile` extras hold it."""
+    return importlib.util.find_spec("cudnn") is not None
 
 
 @dataclass(frozen=True)
@@ -63,16 +73,27 @@ class Kernels:
         capability 10+); elsewhere `jaxmoe.ops.mx` emulates it exactly."""
         return self.cuda and self.compute_capability >= (10, 0)
 
-    def grouped_gemm(self, cfg: MoEConfig) -> str | None:
-        """The grouped GEMM (`jaxmoe.ops.grouped_gemm`) the experts run on exactly their
-        routed rows, packed expert after expert: tokamax's Triton kernel on NVIDIA GPUs.
-        None: fixed per-expert buffers and a batched GEMM over all their rows, on CPU
-        (where it is the fast path: a batched einsum) and for MXFP8 experts (cuDNN's
-        block-scaled GEMM takes buffers)."""
+    def grouped_gemm(self, cfg: MoEConfig, d_model: int | None = None) -> str | None:
+        """The grouped GEMM the experts run on exactly their routed rows, packed expert
+        after expert: for bf16 experts tokamax's Triton kernel on NVIDIA GPUs
+        (`jaxmoe.ops.grouped_gemm`); for MXFP8 experts cuDNN's grouped block-scaled
+        GEMMs on Blackwell where its frontend is installed ("cudnn",
+        `jaxmoe.ops.mx_grouped`). None: fixed per-expert buffers and a batched GEMM
+        over all their rows, on CPU (where it is the fast path: a batched einsum) and
+        for MXFP8 experts elsewhere (Hopper emulates MXFP8 in bf16 GEMMs). A set
+        `expert_gemm` (the tests') runs the packed layouts on CPU: "xla", whose MXFP8
+        counterpart is the kernels' contract in XLA ("reference"). cuDNN's kernels take
+        widths (`d_model`, where the caller knows it, and `moe.expert_hidden`) that are
+        multiples of 64; other widths run over buffers."""
+        mxfp8 = cfg.expert_precision == "mxfp8"
         if self.expert_gemm is not None:
-            return self.expert_gemm
-        if not self.cuda or cfg.expert_precision == "mxfp8":
+            return "reference" if mxfp8 and self.expert_gemm == "xla" else self.expert_gemm
+        if not self.cuda:
             return None
+        if mxfp8:
+            widths = (cfg.expert_hidden, d_model or 0)
+            fits = all(w % _CUDNN_WIDTH == 0 for w in widths)
+            return "cudnn" if self.native_mxfp8 and fits and _cudnn_frontend() else None
         return "triton"
 
     def with_expert_gemm(self, implementation: str | None) -> Kernels:

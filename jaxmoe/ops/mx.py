@@ -193,7 +193,7 @@ def mx_bmm(a_ExCxI: jax.Array, b_ExOxI: jax.Array, out_dtype,
                  _operand(quantize(b_ExOxI, -1, scale_rule), native), out_dtype, native)
 
 
-def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
+def like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
     """Sums a cotangent over the mesh axes the primal does not vary over (as autodiff
     does for implicitly broadcast operands) and casts it to the primal's dtype."""
     extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
@@ -248,7 +248,7 @@ def _mx_linear_bwd(mxfp8_weight_grad, scale_rule, native, res, dy_ExCxO):
     else:
         dw = jnp.einsum("ekc,enc->ekn", xt.astype(jnp.bfloat16), dyt.astype(jnp.bfloat16),
                         preferred_element_type=jnp.float32)
-    return _like_primal(dx, x), _like_primal(dw, w), None, None, None
+    return like_primal(dx, x), like_primal(dw, w), None, None, None
 
 
 _mx_linear.defvjp(_mx_linear_fwd, _mx_linear_bwd)

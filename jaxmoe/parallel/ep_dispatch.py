@@ -47,8 +47,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmoe.config import MoEConfig
 from jaxmoe.ops.kernels import Kernels
 from jaxmoe.model.dispatch import (Dispatched, buffer_slots, capacity, combine_rows, gather_rows,
-                                   packed_slots, routed_copies)
-from jaxmoe.model.experts import ExpertWeights, expert_ffn, expert_rows_ffn
+                                   packed_rows_count, packed_slots, routed_copies)
+from jaxmoe.model.experts import ExpertWeights, expert_ffn, expert_rows_ffn, row_alignment
 from jaxmoe.model.remat import EXCHANGE_BACK, EXCHANGE_OUT
 from jaxmoe.model.router import Routing
 from jaxmoe.parallel.ragged_cpu import install_cpu_lowering
@@ -87,15 +87,16 @@ def alltoall(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
         # recv[r] holds what source rank r sent for my El experts.
         recv_RxElxCxD = checkpoint_name(
             lax.all_to_all(send_RxElxCxD, "expert", 0, 0, tiled=True), EXCHANGE_OUT)
-    if grouped := kernels.grouped_gemm(cfg):
+    if grouped := kernels.grouped_gemm(cfg, D):
         # the received blocks' kept rows, packed expert after expert (sources in order)
         sent_E = jnp.minimum(jnp.zeros((E,), jnp.int32).at[expert_N].add(1), C)
         rows_RxEl = lax.all_to_all(sent_E.reshape(R, El), "expert", 0, 0, tiled=True)
-        pack_RElC = packed_rows(rows_RxEl, C)
-        rows = R * El * C
-        x_RElCxD = gather_rows(recv_RxElxCxD.reshape(rows, D), pack_RElC,
-                               jnp.arange(rows, dtype=jnp.int32), rows)
-        y_RElCxD = expert_rows_ffn(w_local, x_RElCxD, rows_RxEl.sum(0), kernels, grouped)
+        align = row_alignment(grouped)
+        pack_RElC = packed_rows(rows_RxEl, C, align)
+        received, rows = R * El * C, packed_rows_count(El, R * C, align)
+        x_RElCxD = gather_rows(recv_RxElxCxD.reshape(received, D), pack_RElC,
+                               jnp.arange(received, dtype=jnp.int32), rows)
+        y_RElCxD = expert_rows_ffn(w_local, x_RElCxD, rows_RxEl.sum(0), kernels, grouped, cfg)
         y_RxElxCxD = jnp.concatenate([y_RElCxD, jnp.zeros((1, D), y_RElCxD.dtype)])[pack_RElC]
         y_RxElxCxD = y_RxElxCxD.reshape(R, El, C, D)
     else:
@@ -109,17 +110,20 @@ def alltoall(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
     return Dispatched(y_TlxD, jnp.sum(~kept_N, dtype=jnp.int32))
 
 
-def packed_rows(rows_RxEl: jax.Array, C: int) -> jax.Array:
+def packed_rows(rows_RxEl: jax.Array, C: int, align: int = 1) -> jax.Array:
     """Where each row of a received [R, El, C] block goes when packed for the grouped
-    GEMM: local expert l's rows follow those of the experts before it, source after
-    source; the first rows_RxEl[s, l] rows of block (s, l) are kept, the others map
-    to the out-of-range row R * El * C. Flat, [R * El * C]."""
+    GEMM: local expert l's rows follow those of the experts before it (from a multiple
+    of `align`), source after source; the first rows_RxEl[s, l] rows of block (s, l)
+    are kept, the others map to the out-of-range row `packed_rows_count(El, R C,
+    align)`. Flat, [R * El * C]."""
     R, El = rows_RxEl.shape
     total_El = rows_RxEl.sum(0)
-    start_RxEl = (jnp.cumsum(total_El) - total_El)[None] + jnp.cumsum(rows_RxEl, 0) - rows_RxEl
+    padded_El = (total_El + align - 1) // align * align
+    start_RxEl = (jnp.cumsum(padded_El) - padded_El)[None] + jnp.cumsum(rows_RxEl, 0) - rows_RxEl
     row_C = jnp.arange(C, dtype=jnp.int32)
     packed = start_RxEl[:, :, None] + row_C
-    return jnp.where(row_C < rows_RxEl[:, :, None], packed, R * El * C).reshape(-1)
+    past = packed_rows_count(El, R * C, align)
+    return jnp.where(row_C < rows_RxEl[:, :, None], packed, past).reshape(-1)
 
 
 # ------------------------------------------------------------------ allgather
@@ -152,15 +156,18 @@ def allgather(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
     mine_N = (local_N >= 0) & (local_N < El)
     # other ranks' copies queue in an extra bucket El, never computed
     bucket_N = jnp.where(mine_N, local_N, El)
-    if grouped := kernels.grouped_gemm(cfg):  # the bucket El comes last: packing skips it
-        slot_N, kept_N, bucket_rows = packed_slots(bucket_N, El + 1, C)
+    rows = El * C
+    if grouped := kernels.grouped_gemm(cfg, D):  # the bucket El comes last: packing skips it
+        align = row_alignment(grouped)
+        slot_N, kept_N, bucket_rows = packed_slots(bucket_N, El + 1, C, align)
         rows_El = bucket_rows[:El]
+        rows = packed_rows_count(El, C, align)
     else:
         slot_N, kept_N = buffer_slots(bucket_N, El + 1, C)
-    slot_N = jnp.where(mine_N & kept_N, slot_N, El * C)  # El * C: the zero row
-    x_ElCxD = gather_rows(x_TgxD, slot_N, token_N, El * C)
+    slot_N = jnp.where(mine_N & kept_N, slot_N, rows)  # past the buffers: the zero row
+    x_ElCxD = gather_rows(x_TgxD, slot_N, token_N, rows)
     if grouped:
-        y_ElCxD = expert_rows_ffn(w_local, x_ElCxD, rows_El, kernels, grouped)
+        y_ElCxD = expert_rows_ffn(w_local, x_ElCxD, rows_El, kernels, grouped, cfg)
     else:
         y_ElCxD = expert_ffn(w_local, x_ElCxD.reshape(El, C, D), cfg, kernels).reshape(El * C, D)
     slot_KxTg = slot_N.reshape(R, K, Tl).transpose(1, 0, 2).reshape(-1)  # combine's k-major order
@@ -191,7 +198,7 @@ class RaggedPlan(NamedTuple):
 
 
 def ragged_plan(counts_RxE: jax.Array, rank: jax.Array, El: int, C: int,
-                packed: bool = False) -> RaggedPlan:
+                packed: bool = False, align: int = 1) -> RaggedPlan:
     """Offsets and sizes for one rank, from every rank's per-expert copy counts.
 
     counts_RxE[s, e]: copies on source rank s routed to expert e. A sender's
@@ -200,7 +207,8 @@ def ragged_plan(counts_RxE: jax.Array, rank: jax.Array, El: int, C: int,
     copies start at the sum of the lower sources' counts, and those that start
     past C are dropped (the rest of the slice is not sent). `packed`: the receiver's
     experts' rows follow each other with no room between (for the grouped GEMM);
-    expert l's rows then start after the rows of the experts before it.
+    expert l's rows then start after the rows of the experts before it, at a multiple
+    of `align`.
     """
     R, E = counts_RxE.shape
     counts_RxE = counts_RxE.astype(jnp.int32)
@@ -209,7 +217,8 @@ def ragged_plan(counts_RxE: jax.Array, rank: jax.Array, El: int, C: int,
     place_RxRxEl = jnp.cumsum(c_RxRxEl, axis=0) - c_RxRxEl  # row in the expert's C
     kept_RxRxEl = jnp.clip(C - place_RxRxEl, 0, c_RxRxEl)
     rows_RxEl = kept_RxRxEl.sum(0)  # [dest, local expert]
-    start_RxEl = (jnp.cumsum(rows_RxEl, 1) - rows_RxEl if packed else
+    padded_RxEl = (rows_RxEl + align - 1) // align * align
+    start_RxEl = (jnp.cumsum(padded_RxEl, 1) - padded_RxEl if packed else
                   jnp.broadcast_to(jnp.arange(El, dtype=jnp.int32) * C, (R, El)))
     # receiver-side row; a slice that sends nothing points at row 0
     row_RxRxEl = jnp.where(kept_RxRxEl > 0, start_RxEl[None] + place_RxRxEl, 0)
@@ -245,19 +254,21 @@ def ragged(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
     order_N = jnp.argsort(expert_N, stable=True)
     slot_N = jnp.zeros((N,), jnp.int32).at[order_N].set(jnp.arange(N, dtype=jnp.int32))
     counts_E = jnp.zeros((E,), jnp.int32).at[expert_N].add(1)
-    grouped = kernels.grouped_gemm(cfg)
+    grouped = kernels.grouped_gemm(cfg, D)
+    align = row_alignment(grouped) if grouped else 1
+    rows = packed_rows_count(El, C, align)
     with jax.named_scope("exchange_out"):
         plan = ragged_plan(lax.all_gather(counts_E, "expert"), lax.axis_index("expert"), El, C,
-                           packed=grouped is not None)
+                           packed=grouped is not None, align=align)
         send_NxD = gather_rows(x_TlxD, slot_N, token_N, N)
         # The exchange's result has its output buffer's type, so the buffers are
         # zeros_like the rows sent (device-varying): an invariant one would make
         # autodiff sum the result's cotangent over the devices.
         recv_ElCxD = checkpoint_name(lax.ragged_all_to_all(
-            send_NxD, jnp.zeros_like(send_NxD, shape=(El * C, D)), *plan.forward,
+            send_NxD, jnp.zeros_like(send_NxD, shape=(rows, D)), *plan.forward,
             axis_name="expert"), EXCHANGE_OUT)
     if grouped:
-        y_ElCxD = expert_rows_ffn(w_local, recv_ElCxD, plan.rows_El, kernels, grouped)
+        y_ElCxD = expert_rows_ffn(w_local, recv_ElCxD, plan.rows_El, kernels, grouped, cfg)
     else:
         y_ElCxD = expert_ffn(w_local, recv_ElCxD.reshape(El, C, D), cfg, kernels).reshape(El * C, D)
     with jax.named_scope("exchange_back"):

@@ -360,7 +360,8 @@ def step_kernels(mesh, cfg) -> dict:
             "ragged_exchange": ("native" if k.native_ragged_exchange else "cpu stand-in")
             if ragged else "-",
             # the experts' GEMM: a grouped kernel over the routed rows, or over buffers
-            "expert_gemm": (k.grouped_gemm(cfg.moe) or "buffers") if cfg.num_moe_layers else "-"}
+            "expert_gemm": (k.grouped_gemm(cfg.moe, cfg.model.d_model) or "buffers")
+            if cfg.num_moe_layers else "-"}
 
 
 def print_plan(p: dict) -> None:

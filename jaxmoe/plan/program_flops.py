@@ -37,7 +37,15 @@ of rows that starts inside it; `_ragged_contracting_dim_dot_kernel` for the weig
 gradient, which steps through a group's rows) and its tiles as the ranges of its
 offsets (`offs_m`, the rows of the first; `offs_k`, the rows the second contracts).
 Its other kernels (Mosaic GPU) carry tokamax's own JSON tag with their tiles, where
-JAX keeps it on the op (outside a `shard_map`).
+JAX keeps it on the op (outside a `shard_map`). cuDNN's grouped MXFP8 GEMMs
+(`jaxmoe.ops.mx_grouped`) are CuTe DSL kernels in CUTLASS's call
+(`CuteDSLRT_NvJaxCutlassCall`) with e4m3 (or, the bf16 weight gradient's, bf16)
+operands and int32 group ends: their groups
+are padded to whole 256-row tiles, so T = 256, and their buffers hold 256 rows a group
+past the capacity's C (`jaxmoe.ops.mx_grouped.aligned_rows`), which the count takes
+off (and off tokamax's weight gradient on the same groups, named `aligned_groups`);
+the MXFP8 ones are priced at the block-scaled rate; their bytes, like any call's,
+are their operands' and results' shapes (the whole buffer, read or not).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from jaxmoe.ops.mx_grouped import ALIGN, ALIGNED_SCOPE
 from jaxmoe.plan.hlo import Instruction, Program, arrays
 
 # in priority order: a GEMM under dispatch/expert_gemms counts as expert_gemms
@@ -63,6 +72,13 @@ SCOPES = ("expert_gemms", "router", "shared_expert", "dense_mlp", "attention", "
 PASSES = ("forward", "backward", "recompute")
 _GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 _BLOCK_SCALED = ("__cudnn$blockScaledDot", "__op$block_scaled_dot")
+# cuDNN's grouped block-scaled GEMMs (`jaxmoe.ops.cudnn_grouped`): a CuTe DSL kernel in
+# CUTLASS's call, told apart from any other by its e4m3 operands and int32 group ends
+_CUTE_CALL = "CuteDSLRT_NvJaxCutlassCall"
+# rows: the groups are aligned to the kernels' 256-row tiles; a grouped GEMM of tokamax's
+# on those aligned groups (the bf16 weight gradient) is named ALIGNED_SCOPE: its buffer
+# holds the same room for padding
+_CUTE_GROUPED_TILE = ALIGN
 _ATTENTION = re.compile(r"^__cudnn\$fmha\w*$")
 # tokamax names its op, tiles included, in the call's metadata (escaped JSON)
 _GROUPED = re.compile(r'tokamax:\{\\"op\\":\{\\"__type\\":\\"[\w.]*RaggedDot')
@@ -163,11 +179,15 @@ def _triton_ir(attrs: str) -> str:
         return ""
 
 
-def _row_tile(inst: Instruction) -> int | None:
+def _row_tile(inst: Instruction, program: Program | None = None) -> int | None:
     """The rows a grouped GEMM's kernel computes together from each group's start; None
-    if `inst` is not tokamax's ragged dot."""
+    if `inst` is not a grouped GEMM (tokamax's ragged dot, or cuDNN's MXFP8 one, which
+    `program` tells apart by its operands)."""
     if inst.op != "custom-call":
         return None
+    if inst.target.startswith(_CUTE_CALL):
+        return _CUTE_GROUPED_TILE if program is not None and _cute_grouped(inst, program) \
+            else None
     if inst.target == _TRITON_CALL:
         ir = _triton_ir(inst.attrs)
         kernel = _KERNEL.search(ir)
@@ -180,14 +200,28 @@ def _row_tile(inst: Instruction) -> int | None:
     return None
 
 
-def grouped_gemm(inst: Instruction) -> bool:
-    """Whether `inst` is a grouped GEMM (tokamax's ragged dot, any pass)."""
-    return _row_tile(inst) is not None
+def _cute_grouped(inst: Instruction, program: Program) -> bool:
+    """Whether a CuTe DSL call is one of cuDNN's grouped GEMMs: e4m3 (MXFP8) or bf16
+    operands (the bf16 weight gradient) and the int32 group ends."""
+    types = [dt for o in inst.operands for dt, _ in arrays(program.type_of(o))]
+    return bool({"f8e4m3fn", "bf16"} & set(types)) and "s32" in types
 
 
-def block_scaled(inst: Instruction) -> bool:
-    """Whether `inst` is cuDNN's block-scaled (MXFP8) GEMM."""
-    return inst.op == "custom-call" and inst.target in _BLOCK_SCALED
+def grouped_gemm(inst: Instruction, program: Program | None = None) -> bool:
+    """Whether `inst` is a grouped GEMM (tokamax's ragged dot or cuDNN's grouped MXFP8
+    GEMM, any pass)."""
+    return _row_tile(inst, program) is not None
+
+
+def block_scaled(inst: Instruction, program: Program | None = None) -> bool:
+    """Whether `inst` is one of cuDNN's block-scaled (MXFP8) GEMMs, grouped or not."""
+    if inst.op != "custom-call":
+        return False
+    if inst.target in _BLOCK_SCALED:
+        return True
+    return (program is not None and inst.target.startswith(_CUTE_CALL)
+            and grouped_gemm(inst, program) and any(
+                dt == "f8e4m3fn" for o in inst.operands for dt, _ in arrays(program.type_of(o))))
 
 
 def attention_backward(inst: Instruction) -> bool:
@@ -200,8 +234,9 @@ def _grouped_dims(inst: Instruction, program: Program) -> tuple[int, int, int] |
     it); weight gradient: [C, a] and [C, b] (or transposed) -> [E, a, b], C contracted.
     None where the shapes are not one of these."""
     out = arrays(inst.type_text)
+    # the values' operands: not block scales (e8m0), not group ends (int)
     operands = [dims for o in inst.operands for dt, dims in arrays(program.type_of(o))
-                if dt.startswith(("f", "bf"))]
+                if dt.startswith(("f", "bf")) and dt != "f8e8m0fnu"]
     if not out or not operands:
         return None
     out = out[0][1]
@@ -209,9 +244,13 @@ def _grouped_dims(inst: Instruction, program: Program) -> tuple[int, int, int] |
         weight = next((d for d in operands if len(d) == 3), None)
         if weight is None:
             return None
-        return out[0], weight[0], 2 * math.prod(weight[1:])  # 2 i o
-    E, a, b = out
-    return math.prod(operands[0]) // a, E, 2 * a * b
+        C, E, per_row = out[0], weight[0], 2 * math.prod(weight[1:])  # 2 i o
+    else:
+        E, a, b = out
+        C, per_row = math.prod(operands[0]) // a, 2 * a * b
+    if _row_tile(inst, program) == _CUTE_GROUPED_TILE or ALIGNED_SCOPE in inst.op_name:
+        C -= E * _CUTE_GROUPED_TILE  # the room for the groups' padding (`aligned_rows`)
+    return C, E, per_row
 
 
 def rows_per_group(inst: Instruction, program: Program) -> float:
@@ -227,7 +266,7 @@ def _grouped_flops(inst: Instruction, program: Program) -> float:
     if dims is None:
         return 0.0
     C, E, per_row = dims
-    tile = _row_tile(inst)
+    tile = _row_tile(inst, program)
     return min(C, E * math.ceil(program.routed_share * C / E / tile) * tile) * per_row
 
 
@@ -255,7 +294,7 @@ def product_flops(inst: Instruction, program: Program) -> float | None:
         return _gemm_call_flops(inst, program)
     if inst.target in _BLOCK_SCALED:
         return _block_scaled_flops(inst, program)
-    if grouped_gemm(inst):
+    if grouped_gemm(inst, program):
         return _grouped_flops(inst, program)
     if _ATTENTION.match(inst.target):
         return _attention_flops(inst)
@@ -276,6 +315,6 @@ def program_flops(program: Program | str) -> ProgramFlops:
             continue
         scope = scope_of(inst.op_name)
         by_scope[scope][pass_of(inst.op_name)] += flops * runs
-        kernels[scope]["grouped" if grouped_gemm(inst) else inst.target or "dot"] += runs
+        kernels[scope]["grouped" if grouped_gemm(inst, program) else inst.target or "dot"] += runs
     return ProgramFlops({s: dict(p) for s, p in by_scope.items()},
                         {s: dict(k) for s, k in kernels.items()}, dict(unknown))

@@ -226,7 +226,8 @@ def product_seconds(program: Program, inst: Instruction, flops: float, link: Lin
     """One matrix product's time: at the datasheet's peak for its operands' type (the
     bound), or at the rate its class and size reach (`link.rates`, the expected)."""
     dtype = arrays(program.type_of(inst.operands[0])) if inst.operands else []
-    dtype = "f8e4m3fn" if block_scaled(inst) else (dtype[0][0] if dtype else "bf16")
+    scaled = block_scaled(inst, program)
+    dtype = "f8e4m3fn" if scaled else (dtype[0][0] if dtype else "bf16")
     r = link.rates
     if r is None:
         return flops / _peak(link, dtype)
@@ -234,10 +235,10 @@ def product_seconds(program: Program, inst: Instruction, flops: float, link: Lin
         rate = r.attention_backward if attention_backward(inst) else r.attention_forward
         return flops / (link.bf16_flops * rate.value)
     fraction = r.gemm_fraction(flops)
-    if block_scaled(inst):
-        return flops / (link.bf16_flops * fraction * r.block_scaled.value)
-    if grouped_gemm(inst):
+    if grouped_gemm(inst, program):
         fraction *= r.grouped_factor(rows_per_group(inst, program))
+    if scaled:
+        return flops / (link.bf16_flops * fraction * r.block_scaled.value)
     if dtype.startswith("f8"):
         fraction *= r.fp8.value
     return flops / (_peak(link, dtype) * fraction)

@@ -155,10 +155,13 @@ def compile_deviceless(lowered, compiler_options: dict | None = None):
 
 @contextlib.contextmanager
 def traced_on(device):
-    """Trace as a host with `device` (a GPU, virtual or not) would. JAX asks the
-    tracing process's own GPU what cuDNN's fused attention takes (heads over 128
-    wide from Hopper on: MLA's 192); a CPU host has none, so the question is answered with `device`'s compute
-    capability for the trace. Private to JAX: checked by the GPU-compile tests."""
+    """Trace and lower as a host with `device` (a GPU, virtual or not) would. JAX asks
+    the tracing process's own GPU what cuDNN's fused attention takes (heads over 128
+    wide from Hopper on: MLA's 192); a CPU host has none, so the question is answered
+    with `device`'s compute capability for the trace. Private to JAX: checked by the
+    GPU-compile tests. On Blackwell, cuDNN's grouped MXFP8 GEMMs ask the CUDA driver
+    while tracing and compile their kernels while lowering: answered for `device` too
+    (`jaxmoe.ops.cudnn_grouped.deviceless`), where the frontend is installed."""
     from jax._src.cudnn import fused_attention_stablehlo as fused
 
     cc = getattr(device, "compute_capability", None)
@@ -171,6 +174,10 @@ def traced_on(device):
     fused.check_compute_capability = lambda c: have >= wanted(c)
     fused.is_cuda_compute_capability_equal = lambda c: have == wanted(c)
     try:
-        yield
+        with contextlib.ExitStack() as stack:
+            if have >= (10, 0) and importlib.util.find_spec("cudnn") is not None:
+                from jaxmoe.ops.cudnn_grouped import deviceless
+                stack.enter_context(deviceless(have, device.core_count))
+            yield
     finally:
         fused.check_compute_capability, fused.is_cuda_compute_capability_equal = saved

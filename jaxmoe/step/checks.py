@@ -10,6 +10,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxmoe.config import Config, ConfigError, check_context_split, check_expert_split
 from jaxmoe.model.dispatch import LOCAL
+from jaxmoe.ops.kernels import Kernels
 from jaxmoe.optim.optax_bridge import updates_are_elementwise
 from jaxmoe.optim.params import param_names, unmatched_patterns
 from jaxmoe.parallel import sharding
@@ -41,6 +42,11 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
     if S > 1 and cfg.num_moe_layers < S * W:  # mesh.stage: -1 resolves only here
         raise ConfigError(f"mesh.stage: {cfg.num_moe_layers} MoE layers cannot fill {S} stages "
                           f"x {W} virtual stages")
+    if (S > 1 and not uses_per_device_step(cfg) and cfg.num_moe_layers
+            and Kernels.of_mesh(mesh).grouped_gemm(cfg.moe, cfg.model.d_model) == "cudnn"):
+        # the global-array pipeline runs its stages under vmap, which cuDNN's kernels lack
+        raise ConfigError("mesh.parallelism: MXFP8 experts on this GPU run cuDNN's grouped "
+                          "GEMMs, which run per device: pipeline stages need ddp")
     if cfg.mesh.parallelism == "fsdp" and cfg.model.d_model % mesh.shape["data"]:
         raise ConfigError(f"model.d_model: {cfg.model.d_model} cannot be split over "
                           f"mesh.data={mesh.shape['data']} for fsdp")

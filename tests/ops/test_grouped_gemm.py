@@ -86,9 +86,16 @@ def test_gpus_choose_the_kernel_and_cpu_the_buffers():
     h100 = Kernels("gpu", "NVIDIA H100 80GB HBM3", (9, 0))
     b300 = Kernels("gpu", "NVIDIA B300", (10, 3))
     assert h100.grouped_gemm(bf16) == b300.grouped_gemm(bf16) == "triton"
-    assert b300.grouped_gemm(mx) is None  # cuDNN's block-scaled GEMM takes buffers
+    # MXFP8 experts: cuDNN's grouped block-scaled GEMMs on Blackwell; Hopper emulates
+    # MXFP8 over buffers
+    assert b300.grouped_gemm(mx) == "cudnn" and h100.grouped_gemm(mx) is None
+    # widths its kernels do not take (multiples of 64) run over buffers
+    assert b300.grouped_gemm(mx, d_model=96) is None
+    assert b300.grouped_gemm(MoEConfig(expert_precision="mxfp8", expert_hidden=96)) is None
     assert Kernels("cpu", "cpu").grouped_gemm(bf16) is None
+    assert Kernels("cpu", "cpu").grouped_gemm(mx) is None
     assert Kernels("cpu", "cpu").with_expert_gemm("xla").grouped_gemm(bf16) == "xla"
+    assert Kernels("cpu", "cpu").with_expert_gemm("xla").grouped_gemm(mx) == "reference"
 
 
 def test_triton_writes_ptx_for_the_ptxas_that_assembles_it(monkeypatch, tmp_path):

@@ -63,6 +63,8 @@ def test_checks_that_need_a_gpu_say_why_they_skip(monkeypatch):
     native = _run("mxfp8_native", monkeypatch)
     assert native.status == "SKIPPED"
     assert native.note.startswith("no native block-scaled GEMM on this device")
+    grouped = _run("mxfp8_grouped", monkeypatch)
+    assert grouped.status == "SKIPPED" and grouped.note.startswith("no cuDNN grouped MXFP8")
     overlap = _run("overlap", monkeypatch)
     assert overlap.status == "SKIPPED" and "XLA:CPU rejects" in overlap.note
     memory = _run("compile_memory", monkeypatch)
@@ -84,6 +86,33 @@ def test_bit_for_bit_operands_are_exact_in_the_emulation():
     # and the data is not trivially exact: a value off the e4m3 grid is not
     a[0, 0, 2] = 3.3
     assert not np.array_equal(np.asarray(jax.jit(gc.emulated_bmm)(a, b)), exact)
+
+
+def test_grouped_operands_are_exact_in_the_contract():
+    """The grouped check's premise: on its operands the grouped MXFP8 GEMMs' contract in
+    XLA ("reference") is exact (forward, input and weight gradient against float64 over
+    each expert's rows), so cuDNN's kernels must match it bit for bit. Companion: a value
+    off the e4m3 grid is not exact."""
+    from jaxmoe.ops import mx
+    from jaxmoe.ops.mx_grouped import Options, grouped_mx_linear
+
+    def run(x, w, dy, ends):
+        def f(x_, w_):
+            return grouped_mx_linear(x_, mx.quantize_weight(w_), ends,
+                                     Options("reference", True, "ceil"))
+        y, vjp = jax.vjp(f, x, w)
+        return [np.asarray(a, np.float64) for a in (y, *vjp(dy))]
+
+    x, w, dy, ends = gc.exact_grouped_operands(rows=(40, 0, 1, 300), I=64, O=96)
+    y, dx, dw = run(x, w, dy, ends)
+    x64, w64, dy64 = (a.astype(np.float64) for a in (x, w, dy))
+    starts = np.concatenate([[0], ends[:-1]])
+    for e, (lo, hi) in enumerate(zip(starts, ends)):
+        np.testing.assert_array_equal(y[lo:hi], x64[lo:hi] @ w64[e])
+        np.testing.assert_array_equal(dx[lo:hi], dy64[lo:hi] @ w64[e].T)
+        np.testing.assert_array_equal(dw[e], x64[lo:hi].T @ dy64[lo:hi])
+    x[0, 1] = 3.3
+    assert not np.array_equal(run(x, w, dy, ends)[0][0], x64[0] @ w64[0])
 
 
 def test_main_reports_a_line_and_exits_on_failure(tmp_path, monkeypatch, capsys):

@@ -20,7 +20,7 @@ from jaxmoe.plan.anchors import ANCHORS, differences
 from jaxmoe.plan.collectives import collectives
 from jaxmoe.plan.planner import (compile_train_step, expert_gemm_ratios, routed_expert_flops,
                                  routed_share)
-from jaxmoe.plan.program_flops import program_flops
+from jaxmoe.plan.program_flops import block_scaled, grouped_gemm, program_flops
 from jaxmoe.plan.roofline import quantisations
 from jaxmoe.plan.targets import EXTRA, compile_deviceless, gpu_compiler_available, virtual_devices
 
@@ -118,9 +118,8 @@ def test_expert_gemms_do_the_routed_work(dispatcher, target):
 
 def test_the_ratio_sees_the_buffers():
     """Companion: counted over all their rows the same grouped GEMMs do the buffers'
-    capacity_factor x the routed work; MXFP8 experts (cuDNN's block-scaled GEMM over
-    per-expert buffers, rows padded to blocks of 128) do it, and doubling the buffers
-    doubles it."""
+    capacity_factor x the routed work; MXFP8 experts on Hopper (MXFP8 emulated in bf16
+    GEMMs over per-expert buffers) do it, and doubling the buffers doubles it."""
     program, cfg = _compiled("h100", train__batch_size=ROUTED * BASE["train"]["batch_size"])
     program.routed_share = 1.0
     try:
@@ -128,8 +127,8 @@ def test_the_ratio_sees_the_buffers():
     finally:
         program.routed_share = routed_share(cfg)
     assert _buffer_rows("ragged", 1.25) / N == 1.25
-    for factor in (1.25, 2.5):  # rows of 5,120 and 10,240 per expert: whole blocks of 128
-        program, cfg = _compiled("b300", moe__expert_precision="mxfp8",
+    for factor in (1.25, 2.5):  # rows of 5,120 and 10,240 per expert
+        program, cfg = _compiled("h100", moe__expert_precision="mxfp8",
                                  moe__capacity_factor=factor,
                                  train__batch_size=ROUTED * BASE["train"]["batch_size"])
         assert "grouped" not in program_flops(program).kernels["expert_gemms"]
@@ -216,8 +215,9 @@ def test_no_host_traffic_inside_the_step():
 
 
 def _block_scaled_calls(program: Program) -> list:
+    """cuDNN's MXFP8 GEMMs among the experts': grouped (CuTe DSL) or over buffers."""
     return [inst for inst, _, _ in program.instructions()
-            if inst.target == "__cudnn$blockScaledDot" and "expert_gemms" in inst.op_name]
+            if block_scaled(inst, program) and "expert_gemms" in inst.op_name]
 
 
 def _gpu_program(target: str, f, *shapes) -> Program:
@@ -296,14 +296,21 @@ def test_a_deviceless_program_stays_out_of_the_compilation_cache(tmp_path):
 
 
 def test_b300_expert_gemms_are_native_mxfp8():
+    """MXFP8 experts on a B300 run cuDNN's grouped block-scaled GEMMs on the packed rows:
+    e4m3 rows and weights, their e8m0 scales packed in 128 x 4 atoms, int32 group ends;
+    forward and input gradient (the weight gradient, bf16 by default, tokamax's grouped
+    GEMM), and no `__cudnn$blockScaledDot` over per-expert buffers."""
     program, _ = _compiled("b300", moe__expert_precision="mxfp8")
     calls = _block_scaled_calls(program)
-    assert calls
-    for inst in calls:  # e4m3 elements and e8m0 block scales, straight into the GEMM
-        lhs, rhs, lhs_scales, rhs_scales = (arrays(program.type_of(o))[0] for o in inst.operands)
-        assert lhs[0] == rhs[0] == "f8e4m3fn"
-        assert lhs_scales[0] == rhs_scales[0] == "f8e8m0fnu"
-        assert lhs_scales[1][-1] * 32 == lhs[1][-1]  # one scale per 32 values
+    assert calls and all(grouped_gemm(inst, program) for inst in calls)
+    for inst in calls:
+        a, b, sa, sb, ends, alpha = (arrays(program.type_of(o))[0] for o in inst.operands)
+        assert a[0] == b[0] == "f8e4m3fn" and len(b[1]) == 3  # [M, K] and [E, N, K]
+        assert sa[0] == sb[0] == "f8e8m0fnu" and sa[1][-3:] == sb[1][-3:] == (32, 4, 4)
+        assert sa[1][1] * 128 == a[1][0] and ends == ("s32", (b[1][0],))
+    flops = program_flops(program)
+    assert set(flops.kernels["expert_gemms"]) == {"grouped"}
+    assert flops.unknown_kernels == {}
     # companion: on an H100 (no block-scaled GEMM) the expert GEMM emulates MXFP8, and
     # the check finds no native call
     cfg = _config(moe={"expert_precision": "mxfp8"}).moe
@@ -317,6 +324,43 @@ def test_b300_expert_gemms_are_native_mxfp8():
     emulated = _gpu_program("h100", experts, ((2, 64, 128), jnp.bfloat16),
                             ((2, 128, 256), jnp.float32), ((2, 128, 128), jnp.float32))
     assert program_flops(emulated).total("expert_gemms") > 0 and _block_scaled_calls(emulated) == []
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "ragged"])
+def test_mxfp8_expert_gemms_do_the_routed_work(dispatcher):
+    """MXFP8 experts on a B300 do the routed rows' work in every pass (4,096 rows per
+    local expert per micro-batch: whole groups of the kernels' 256 rows, no padding),
+    every product cuDNN's grouped kernels with `moe.mxfp8_weight_grad` (forward,
+    recompute, input and weight gradient of 2 GEMMs x 2 layers x 2 micro-batches).
+    Companion: counted over all their rows (less each group's room for padding), the
+    packed buffers hold capacity_factor x the routed rows."""
+    batch = ROUTED * BASE["train"]["batch_size"]
+    program, cfg = _compiled("b300", moe__dispatcher=dispatcher, train__batch_size=batch,
+                             moe__expert_precision="mxfp8", moe__mxfp8_weight_grad=True)
+    assert program_flops(program).kernels["expert_gemms"] == {"grouped": 4 * 2 * 2 * 2}
+    assert all(block_scaled(inst, program) for inst, _, _ in program.instructions()
+               if grouped_gemm(inst, program))
+    assert _expert_ratio(program, cfg) == pytest.approx(1.0, rel=1e-6)
+    program.routed_share = 1.0
+    try:
+        assert _expert_ratio(program, cfg) == pytest.approx(1.25, rel=1e-6)
+    finally:
+        program.routed_share = routed_share(cfg)
+
+
+def test_mxfp8_experts_under_an_fsdp_pipeline_are_refused():
+    """cuDNN's kernels have no batching rule, and the global-array pipeline vmaps its
+    stages: MXFP8 experts on Blackwell with pipeline stages need ddp. Companion: the
+    same layout on Hopper (MXFP8 emulated over buffers) builds."""
+    from jaxmoe.config import ConfigError
+    from jaxmoe.parallel.sharding import make_mesh
+    from jaxmoe.step import build_steps
+
+    cfg = _config(moe={"expert_precision": "mxfp8", "dispatcher": "alltoall"},
+                  mesh={"data": 1, "expert": 4, "stage": 2, "parallelism": "fsdp"})
+    with pytest.raises(ConfigError, match="pipeline stages need ddp"):
+        build_steps(cfg, make_mesh(cfg.mesh, virtual_devices("b300", 8)))
+    build_steps(cfg, make_mesh(cfg.mesh, virtual_devices("h100", 8)))
 
 
 def _score_buffers(program: Program, L: int) -> list[str]:
@@ -582,22 +626,25 @@ def test_in_loop_scoring_stays_within_the_train_steps_memory():
 def test_mxfp8_weights_are_quantised_once_per_step(monkeypatch):
     """The B300 program of an MXFP8 config quantises each expert weight once per step,
     outside every loop (the working copy's `mx_copies`); inside the loops the only
-    quantisations are of the GEMMs' rows (every array [local experts, C rows, ...]).
+    quantisations are of the GEMMs' rows (every array has the packed buffer's rows).
     Companion: without the step's copies each expert GEMM quantises its weight in every
     layer iteration and pass, and the check finds weight-shaped quantisations in loops."""
-    changes = {"moe__expert_precision": "mxfp8", "moe__expert_hidden": 96}
+    from jaxmoe.model.dispatch import packed_rows_count
+
+    changes = {"moe__expert_precision": "mxfp8", "moe__expert_hidden": 192}
     program, cfg = _compiled("b300", **changes)
-    rows = _buffer_rows("ragged", cfg.moe.capacity_factor) // El  # C = 320, no weight has it
+    C = _buffer_rows("ragged", cfg.moe.capacity_factor) // El
+    rows = packed_rows_count(El, C, 256)  # 1,280: no weight has it
     found = quantisations(program)
     weights = [q for q in found if "working_copy" in q[2]]
     assert weights and all(runs == 1 and not in_loop for runs, in_loop, _, _ in weights)
-    assert [q for q in found if q[1] and q[3][1] != rows] == []
+    assert [q for q in found if q[1] and rows not in q[3]] == []
 
     import jaxmoe.step.loss
     monkeypatch.setattr(jaxmoe.step.loss, "mx_copies", lambda params, cfg: {})
     per_call = Program(compile_train_step(_config(moe={"expert_precision": "mxfp8",
-                                                        "expert_hidden": 96}), "b300")[0].as_text())
-    again = [q for q in quantisations(per_call) if q[1] and q[3][1] != rows]
+                                                        "expert_hidden": 192}), "b300")[0].as_text())
+    again = [q for q in quantisations(per_call) if q[1] and rows not in q[3]]
     assert again and min(runs for runs, *_ in again) >= 2
 
 
