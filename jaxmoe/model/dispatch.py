@@ -23,7 +23,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.model.experts import ExpertWeights, expert_ffn, expert_rows_ffn, row_alignment
 from jaxmoe.model.router import Routing
 from jaxmoe.ops.kernels import Kernels
-from jaxmoe.ops.mx_grouped import aligned_rows
+from jaxmoe.ops.mx_grouped import aligned_rows, padded_groups
 
 
 class Dispatched(NamedTuple):
@@ -88,7 +88,7 @@ def packed_slots(expert_N: jax.Array, num_experts: int, cap: int,
     row_N, counts_E = _arrival_rows(expert_N, num_experts)
     rows_E = jnp.minimum(counts_E, cap)
     kept_N = row_N < cap
-    padded_E = (rows_E + align - 1) // align * align
+    padded_E = padded_groups(rows_E, align)
     start_E = jnp.cumsum(padded_E) - padded_E
     past = packed_rows_count(num_experts, cap, align, expert_N.shape[0])
     return jnp.where(kept_N, start_E[expert_N] + row_N, past), kept_N, rows_E

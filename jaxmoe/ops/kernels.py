@@ -11,6 +11,7 @@ that JAX itself checks on the tracing host (`cudnn_head_max`).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,7 @@ from jaxmoe.config import ModelConfig, MoEConfig
 _CUDNN_WIDTH = 64  # cuDNN's grouped MXFP8 GEMMs take outputs of a multiple of 64 columns
 
 
+@functools.cache
 def _cudnn_frontend() -> bool:
     """Whether cuDNN's frontend (its JAX grouped GEMMs) is installed: the `cuda` and
     `gpu-compile` extras hold it."""

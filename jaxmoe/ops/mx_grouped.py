@@ -51,11 +51,15 @@ _ATOM_ROWS, _ATOM_COLUMNS = 128, 4  # scales per atom: 128 rows x 4 blocks of 32
 _PAD_SCALE = 127  # e8m0 2^0 in the atoms' padding: finite (0xFF is NaN), read by nothing
 
 
+def padded_groups(rows: jax.Array, align: int = ALIGN) -> jax.Array:
+    """Each group's rows rounded up to a multiple of `align` (an empty group stays empty)."""
+    return (rows.astype(jnp.int32) + align - 1) // align * align
+
+
 def aligned_ends(rows_E: jax.Array, align: int = ALIGN) -> jax.Array:
     """int32 [E]: the cumulative group ends of experts holding rows_E routed rows each,
-    every group padded to a multiple of `align` rows (an empty expert's group is empty)."""
-    padded_E = (rows_E.astype(jnp.int32) + align - 1) // align * align
-    return jnp.cumsum(padded_E).astype(jnp.int32)
+    every group padded to a multiple of `align` rows (`padded_groups`)."""
+    return jnp.cumsum(padded_groups(rows_E, align)).astype(jnp.int32)
 
 
 def aligned_rows(routed: int, num_experts: int, align: int = ALIGN) -> int:

@@ -49,6 +49,7 @@ from jaxmoe.ops.kernels import Kernels
 from jaxmoe.model.dispatch import (Dispatched, buffer_slots, capacity, combine_rows, gather_rows,
                                    packed_rows_count, packed_slots, routed_copies)
 from jaxmoe.model.experts import ExpertWeights, expert_ffn, expert_rows_ffn, row_alignment
+from jaxmoe.ops.mx_grouped import padded_groups
 from jaxmoe.model.remat import EXCHANGE_BACK, EXCHANGE_OUT
 from jaxmoe.model.router import Routing
 from jaxmoe.parallel.ragged_cpu import install_cpu_lowering
@@ -118,7 +119,7 @@ def packed_rows(rows_RxEl: jax.Array, C: int, align: int = 1) -> jax.Array:
     align)`. Flat, [R * El * C]."""
     R, El = rows_RxEl.shape
     total_El = rows_RxEl.sum(0)
-    padded_El = (total_El + align - 1) // align * align
+    padded_El = padded_groups(total_El, align)
     start_RxEl = (jnp.cumsum(padded_El) - padded_El)[None] + jnp.cumsum(rows_RxEl, 0) - rows_RxEl
     row_C = jnp.arange(C, dtype=jnp.int32)
     packed = start_RxEl[:, :, None] + row_C
@@ -217,7 +218,7 @@ def ragged_plan(counts_RxE: jax.Array, rank: jax.Array, El: int, C: int,
     place_RxRxEl = jnp.cumsum(c_RxRxEl, axis=0) - c_RxRxEl  # row in the expert's C
     kept_RxRxEl = jnp.clip(C - place_RxRxEl, 0, c_RxRxEl)
     rows_RxEl = kept_RxRxEl.sum(0)  # [dest, local expert]
-    padded_RxEl = (rows_RxEl + align - 1) // align * align
+    padded_RxEl = padded_groups(rows_RxEl, align)
     start_RxEl = (jnp.cumsum(padded_RxEl, 1) - padded_RxEl if packed else
                   jnp.broadcast_to(jnp.arange(El, dtype=jnp.int32) * C, (R, El)))
     # receiver-side row; a slice that sends nothing points at row 0
