@@ -75,10 +75,14 @@ def _version(package: str) -> str:
 
 
 def config_digest(path: str, overrides: list[str]) -> str:
-    """SHA-256 of a config's values (its comments and layout left out)."""
-    from jaxmoe.config import load_config
+    """SHA-256 of the values a config sets away from the defaults (its comments and
+    layout left out, and a key added later at its default changes no digest)."""
+    from jaxmoe.config import Config, load_config
 
-    values = json.dumps(load_config(path, overrides).to_dict(), sort_keys=True, default=str)
+    defaults = Config().to_dict()
+    chosen = {section: {k: v for k, v in keys.items() if defaults[section].get(k) != v}
+              for section, keys in load_config(path, overrides).to_dict().items()}
+    values = json.dumps(chosen, sort_keys=True, default=str)
     return hashlib.sha256(values.encode()).hexdigest()
 
 
