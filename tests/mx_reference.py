@@ -139,3 +139,13 @@ def gemm_tolerance(a_MxK: np.ndarray, b_KxN: np.ndarray) -> np.ndarray:
     gamma_K bound); batch axes broadcast."""
     K = a_MxK.shape[-1]
     return (K + 1) * 2.0 ** -24 * (np.abs(a_MxK) @ np.abs(b_KxN))
+
+
+def assert_pinned(got, expected, tol, wrong: dict):
+    """got is within fp32 accumulation error of expected, and each wrong variant is not
+    (in most entries): the tolerance tells them apart."""
+    err = np.abs(np.asarray(got, np.float64) - expected)
+    assert (err <= tol).all(), f"{(err > tol).mean():.1%} outside, worst {(err / tol).max():.1f}x"
+    for name, w in wrong.items():
+        outside = (np.abs(w - expected) > tol).mean()
+        assert outside > 0.9, f"{name} is indistinguishable: only {outside:.1%} of entries differ"

@@ -200,6 +200,27 @@ def check_logging(lg: LoggingConfig) -> None:
     require(bool(lg.wandb_project.strip()), "logging.wandb_project", "must not be empty")
 
 
+def projection_shapes(c: Config) -> dict[str, tuple[int, int]]:
+    """(inputs, outputs) of each dense projection the model has, as one matrix each
+    (`jaxmoe.model.mx_weights.PROJECTIONS`)."""
+    m, moe = c.model, c.moe
+    D, H, Hd, Hv = m.d_model, m.num_heads, m.head_size, m.value_size
+    shapes = {"w_o": (H * Hv, D)}
+    if m.attention == "mla":
+        Rq, Rkv = m.q_lora_rank, m.kv_lora_rank
+        shapes |= {"w_kv_a": (D, Rkv + m.qk_rope_head_dim),
+                   "w_kv_b": (Rkv, H * (m.qk_nope_head_dim + Hv))}
+        shapes |= ({"w_q_a": (D, Rq), "w_q_b": (Rq, H * Hd)} if Rq else {"w_q": (D, H * Hd)})
+    else:
+        shapes |= {"w_q": (D, H * Hd), "w_k": (D, m.num_kv_heads * Hd),
+                   "w_v": (D, m.num_kv_heads * Hd)}
+    for name, hidden, present in (("mlp", m.mlp_hidden, m.num_dense_layers),
+                                  ("shared", moe.shared_expert_hidden, c.num_moe_layers)):
+        if present and hidden:
+            shapes |= {f"{name}.w_gate_up": (D, 2 * hidden), f"{name}.w_down": (hidden, D)}
+    return shapes
+
+
 def check_across(c: Config) -> None:
     """What ties sections together: lengths against train.seq_len, the mesh and the
     pipeline against the layers and the batch, options against the model."""
@@ -215,6 +236,11 @@ def check_across(c: Config) -> None:
     if c.num_moe_layers and moe.expert_precision == "mxfp8":
         require(m.d_model % 32 == 0 and moe.expert_hidden % 32 == 0, "moe.expert_precision",
                 "mxfp8 blocks of 32 need d_model and expert_hidden divisible by 32")
+    if m.projection_precision == "mxfp8":
+        uneven = {name: shape for name, shape in projection_shapes(c).items()
+                  if any(n % 32 for n in shape)}
+        require(not uneven, "model.projection_precision", "mxfp8 blocks of 32 need every "
+                f"projection's inputs and outputs divisible by 32; not {uneven}")
     if c.mesh.context != 1:
         check_context_split(c, c.mesh.context)
     if c.num_moe_layers and c.mesh.expert > 0:

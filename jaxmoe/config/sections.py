@@ -72,6 +72,11 @@ class ModelConfig:
     # last layer, the k-th predicting the token k + 1 ahead; trained with
     # train.mtp_loss_weight, never run by generation or scoring
     mtp_layers: int = 0
+    # the dense projections' GEMMs (attention's and MLA's, the dense MLPs, the shared
+    # experts; not the embedding, LM head, router or MTP's joining projection): in
+    # compute_dtype, or MXFP8 as the experts' (moe.mxfp8_scale, moe.mxfp8_weight_grad;
+    # jaxmoe/model/mx_weights.py), the weights quantised once per step
+    projection_precision: Literal["compute", "mxfp8"] = "compute"
 
     @property
     def num_moe_layers(self) -> int:
@@ -132,7 +137,9 @@ class MoEConfig:
     on_overflow: Literal["drop", "rerun", "raise"] = "drop"
     # expert GEMMs: in model.compute_dtype, or MXFP8 (e4m3 blocks of 32 with e8m0 scales)
     expert_precision: Literal["compute", "mxfp8"] = "compute"
-    mxfp8_weight_grad: bool = False  # mxfp8: weight gradients in MXFP8 too (else bf16)
+    # mxfp8 (experts, and projections with model.projection_precision): weight gradients
+    # in MXFP8 too (else bf16)
+    mxfp8_weight_grad: bool = False
     # mxfp8 block scale: "ceil" 2^ceil(log2(amax / 448)), never saturating (cuBLAS's and
     # Transformer Engine's RCEIL), or "floor" 2^(floor(log2 amax) - 8), the OCP MX spec's
     mxfp8_scale: Literal["ceil", "floor"] = "ceil"

@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.model.blockwise_attention import blockwise_attention
-from jaxmoe.model.layers import param, rms_norm, rope, rope_frequencies, yarn_mscale
+from jaxmoe.model.layers import param, project, rms_norm, rope, rope_frequencies, yarn_mscale
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
 from jaxmoe.model.remat import ATTENTION_OUT, ATTENTION_QKV
 
@@ -53,14 +53,14 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def qkv(self, x_BxLxD: jax.Array, positions_BxL: jax.Array):
-        cfg, dt = self.cfg, x_BxLxD.dtype
+        cfg = self.cfg
         # named before QK-norm and RoPE: their backward needs these inputs, and
         # recomputing the elementwise ops from them is cheap
-        q = checkpoint_name(jnp.einsum("bld,dhk->blhk", x_BxLxD, self.w_q[...].astype(dt)),
+        q = checkpoint_name(project("bld,dhk->blhk", x_BxLxD, self.w_q.get_value()),
                             ATTENTION_QKV)
-        k = checkpoint_name(jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_k[...].astype(dt)),
+        k = checkpoint_name(project("bld,dgk->blgk", x_BxLxD, self.w_k.get_value()),
                             ATTENTION_QKV)
-        v = checkpoint_name(jnp.einsum("bld,dgk->blgk", x_BxLxD, self.w_v[...].astype(dt)),
+        v = checkpoint_name(project("bld,dgk->blgk", x_BxLxD, self.w_v.get_value()),
                             ATTENTION_QKV)
         if cfg.qk_norm != "none":
             axis = -1 if cfg.qk_norm == "head" else (-2, -1)
@@ -85,7 +85,7 @@ class Attention(nnx.Module):
         return (cfg.num_kv_heads, cfg.head_size), (cfg.num_kv_heads, cfg.value_size)
 
     def out(self, o_BxLxHxHd: jax.Array) -> jax.Array:
-        return jnp.einsum("blhk,hkd->bld", o_BxLxHxHd, self.w_o[...].astype(o_BxLxHxHd.dtype))
+        return project("blhk,hkd->bld", o_BxLxHxHd, self.w_o.get_value())
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
                  layout: LocalLayout = LOCAL_LAYOUT, with_max_logits: bool = False):

@@ -28,47 +28,6 @@ class ExpertWeights(NamedTuple):
     w_down_ExFxD: jax.Array | MXWeight
 
 
-_WEIGHTS = ("w_gate_up", "w_down")
-
-
-def _expert_weight(path) -> bool:
-    names = [getattr(k, "key", None) for k in path]
-    return len(names) >= 2 and names[-2] == "experts" and names[-1] in _WEIGHTS
-
-
-def mx_copies(params: nnx.State, cfg: MoEConfig) -> dict[str, MXWeight]:
-    """The MXFP8 copies of every routed-expert weight stack in `params` (model or
-    working copy, any layer layout), by path; {} unless `moe.expert_precision` is
-    mxfp8. Made once per optimizer step, outside every loop, so that no layer
-    iteration, micro-batch or pass quantises a weight again (`with_mx_copies`)."""
-    if cfg.expert_precision != "mxfp8":
-        return {}
-    out = {}
-
-    def take(path, v):  # a leaf still to be gathered (a ZeRO-1 shard) is quantised once whole
-        if _expert_weight(path) and isinstance(v.get_value(), jax.Array):
-            out[jax.tree_util.keystr(path)] = quantize_weight(v.get_value(),
-                                                              cfg.mxfp8_scale)._replace(w=None)
-        return v
-
-    jax.tree_util.tree_map_with_path(take, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return out
-
-
-def with_mx_copies(params: nnx.State, copies: dict[str, MXWeight]) -> nnx.State:
-    """`params` whose routed-expert weights carry their `mx_copies`: the expert GEMMs
-    read the copies, and their gradients still flow to the weights."""
-    if not copies:
-        return params
-
-    def attach(path, v):
-        key = jax.tree_util.keystr(path)
-        return v.replace(copies[key]._replace(w=v.get_value())) if key in copies else v
-
-    return jax.tree_util.tree_map_with_path(attach, params,
-                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
 def expert_ffn(w: ExpertWeights, x_ExCxD: jax.Array, cfg: MoEConfig | None = None,
                kernels: Kernels | None = None) -> jax.Array:
     """Grouped GEMM over per-expert row buffers: SwiGLU of each expert on its rows.

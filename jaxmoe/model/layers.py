@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxmoe.ops.mx import MXProjection, mx_project
+
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
           std: float | None = None, value: float | None = None) -> nnx.Param:
@@ -98,11 +100,22 @@ def rope(x_BxLxHxHd: jax.Array, positions_BxL: jax.Array, theta: float,
     return out.astype(x_BxLxHxHd.dtype)
 
 
-def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU with the gate and up projections fused in one [D, 2F] matmul."""
-    h = x @ w_gate_up.astype(x.dtype)
+def project(spec: str, x: jax.Array, w) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` in x's dtype: x's last axes contracted with the first
+    axes of a weight w stored [*In, *Out]. Where a step attached the weight's MXFP8
+    copies (an `MXProjection`: `jaxmoe.model.mx_weights`), the same product in MXFP8."""
+    if isinstance(w, MXProjection):
+        x_spec, w_spec = spec.split("->")[0].split(",")
+        return mx_project(x, w, len(set(x_spec) & set(w_spec)))
+    return jnp.einsum(spec, x, w.astype(x.dtype))
+
+
+def swiglu(x: jax.Array, w_gate_up, w_down) -> jax.Array:
+    """SwiGLU with the gate and up projections fused in one [D, 2F] matmul (weights as
+    `project` takes them)."""
+    h = project("...d,df->...f", x, w_gate_up)
     gate, up = jnp.split(h, 2, axis=-1)
-    return (jax.nn.silu(gate) * up) @ w_down.astype(x.dtype)
+    return project("...f,fd->...d", jax.nn.silu(gate) * up, w_down)
 
 
 class MLP(nnx.Module):
@@ -114,4 +127,4 @@ class MLP(nnx.Module):
         self.w_down = param(rngs, (hidden, d_model), (hidden_axis, "embed"), out_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return swiglu(x, self.w_gate_up[...], self.w_down[...])
+        return swiglu(x, self.w_gate_up.get_value(), self.w_down.get_value())

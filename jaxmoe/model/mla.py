@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.model.attention import attend, rotate
-from jaxmoe.model.layers import param, rms_norm
+from jaxmoe.model.layers import param, project, rms_norm
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
 from jaxmoe.model.remat import ATTENTION_QKV
 
@@ -55,28 +55,28 @@ class LatentAttention(nnx.Module):
     def latent(self, x_BxLxD: jax.Array, positions_BxL: jax.Array):
         """What a token leaves for later queries: its normalised latent [B, L, Rkv] and
         its rotated RoPE key [B, L, Hr]."""
-        cfg, dt = self.cfg, x_BxLxD.dtype
-        kv = x_BxLxD @ self.w_kv_a[...].astype(dt)
+        cfg = self.cfg
+        kv = project("bld,dr->blr", x_BxLxD, self.w_kv_a.get_value())
         c_BxLxRkv, k_rot_BxLxHr = jnp.split(kv, [cfg.kv_lora_rank], axis=-1)
         c_BxLxRkv = rms_norm(c_BxLxRkv, self.kv_a_norm[...], LATENT_NORM_EPS)
         return c_BxLxRkv, rotate(k_rot_BxLxHr[:, :, None, :], positions_BxL, cfg)[:, :, 0]
 
     def queries(self, x_BxLxD: jax.Array, positions_BxL: jax.Array) -> jax.Array:
         """[B, L, H, Hn + Hr]: each head's query, its RoPE part rotated."""
-        cfg, dt = self.cfg, x_BxLxD.dtype
+        cfg = self.cfg
         if cfg.q_lora_rank:
-            c_BxLxRq = rms_norm(x_BxLxD @ self.w_q_a[...].astype(dt), self.q_a_norm[...],
-                                LATENT_NORM_EPS)
-            q = jnp.einsum("blr,rhk->blhk", c_BxLxRq, self.w_q_b[...].astype(dt))
+            c_BxLxRq = project("bld,dr->blr", x_BxLxD, self.w_q_a.get_value())
+            c_BxLxRq = rms_norm(c_BxLxRq, self.q_a_norm[...], LATENT_NORM_EPS)
+            q = project("blr,rhk->blhk", c_BxLxRq, self.w_q_b.get_value())
         else:
-            q = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.w_q[...].astype(dt))
+            q = project("bld,dhk->blhk", x_BxLxD, self.w_q.get_value())
         q_nope, q_rot = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
         return jnp.concatenate([q_nope, rotate(q_rot, positions_BxL, cfg)], axis=-1)
 
     def expand(self, c_BxLxRkv: jax.Array, k_rot_BxLxHr: jax.Array):
         """Each head's key [B, L, H, Hn + Hr] and value [B, L, H, Hv] from the latents."""
         cfg = self.cfg
-        kv = jnp.einsum("blr,rhk->blhk", c_BxLxRkv, self.w_kv_b[...].astype(c_BxLxRkv.dtype))
+        kv = project("blr,rhk->blhk", c_BxLxRkv, self.w_kv_b.get_value())
         k_nope, v = jnp.split(kv, [cfg.qk_nope_head_dim], axis=-1)
         k_rot = jnp.broadcast_to(k_rot_BxLxHr[:, :, None, :],
                                  k_nope.shape[:3] + k_rot_BxLxHr.shape[-1:])
@@ -101,7 +101,7 @@ class LatentAttention(nnx.Module):
         return (cfg.kv_lora_rank,), (cfg.qk_rope_head_dim,)
 
     def out(self, o_BxLxHxHv: jax.Array) -> jax.Array:
-        return jnp.einsum("blhk,hkd->bld", o_BxLxHxHv, self.w_o[...].astype(o_BxLxHxHv.dtype))
+        return project("blhk,hkd->bld", o_BxLxHxHv, self.w_o.get_value())
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
                  layout: LocalLayout = LOCAL_LAYOUT, with_max_logits: bool = False):

@@ -27,7 +27,9 @@ log2 are not exact at integers, and either would change the bits of a block.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from typing import Literal, NamedTuple
 
 import jax
@@ -252,3 +254,50 @@ def _mx_linear_bwd(mxfp8_weight_grad, scale_rule, native, res, dy_ExCxO):
 
 
 _mx_linear.defvjp(_mx_linear_fwd, _mx_linear_bwd)
+
+
+# ---------------------------------------------------------------- MXFP8 projections
+
+
+class Options(NamedTuple):
+    """How a projection's MXFP8 GEMMs run (`mx_linear`'s static arguments)."""
+    scale_rule: ScaleRule = "ceil"
+    weight_grad: bool = False  # the weight gradient in MXFP8 too (else bf16 operands)
+    native: bool = False  # the target's block-scaled GEMM (else emulated exactly)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["copies"],
+                   meta_fields=["options"])
+@dataclasses.dataclass(frozen=True)
+class MXProjection:
+    """A dense projection's weight as a step's layers read it in MXFP8: `copies.w` is the
+    weight as stored, [*In, *Out] (after any stacked axes), and `copies`' MXFP8 copies
+    are of it as one [I, O] matrix (I the product of In, O of Out)."""
+
+    copies: MXWeight
+    options: Options
+
+
+def quantize_projection(w: jax.Array, inputs: int, outputs: int,
+                        scale_rule: ScaleRule = "ceil") -> MXWeight:
+    """The MXFP8 copies (`quantize_weight`, `w` left out) of a projection weight
+    [..., *In, *Out] with `inputs` input and `outputs` output axes last (any axes before
+    them stacked: layers, stages), as [..., I, O]."""
+    lead = w.shape[:w.ndim - inputs - outputs]
+    I = math.prod(w.shape[len(lead):w.ndim - outputs])
+    return quantize_weight(w.reshape(*lead, I, -1), scale_rule)._replace(w=None)
+
+
+def mx_project(x: jax.Array, w: MXProjection, inputs: int) -> jax.Array:
+    """x's last `inputs` axes contracted with the weight's first `inputs` axes, both
+    operands MXFP8 (`mx_linear` on x's rows, I and O flattened), in x's dtype."""
+    weight = w.copies.w
+    I, O = math.prod(weight.shape[:inputs]), math.prod(weight.shape[inputs:])
+    if x.shape[x.ndim - inputs:] != weight.shape[:inputs] or w.copies.forward.shape != (O, I):
+        raise ValueError(f"MXFP8 projection: x {x.shape} does not contract the first "
+                         f"{inputs} axes of a weight {weight.shape} whose copies are "
+                         f"{w.copies.forward.shape[::-1]}")
+    copies = MXWeight(weight.reshape(1, I, O), *(c[None] for c in w.copies[1:]))
+    o = w.options
+    y = mx_linear(x.reshape(1, -1, I), copies, o.weight_grad, o.scale_rule, o.native)
+    return y.reshape(*x.shape[:x.ndim - inputs], *weight.shape[inputs:])

@@ -43,7 +43,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmoe.model.attention import MAX_STATS, unmeasured
-from jaxmoe.model.experts import mx_copies, with_mx_copies
+from jaxmoe.model.mx_weights import mx_copies, with_mx_copies
 from jaxmoe.model.moe import MEAN_STATS
 from jaxmoe.model.remat import REMAT_POLICIES, keeping_layer_inputs
 from jaxmoe.model.transformer import map_moe_stack, scan_layers
@@ -298,7 +298,8 @@ class _Gathering:
 
 def ready(round_state, layout):
     """A round's gathered weights as the layers compute with them (their MXFP8 copies)."""
-    return with_mx_copies(round_state, mx_copies(round_state, layout.cfg.moe))
+    return with_mx_copies(round_state, mx_copies(round_state, layout.cfg), layout.cfg,
+                          layout.kernels)
 
 
 def _rounds(state, layout, parts: int) -> list:

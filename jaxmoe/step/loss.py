@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxmoe.config import Config
 from jaxmoe.model.attention import MAX_LOGIT, MAX_STATS, combined, unmeasured
-from jaxmoe.model.experts import mx_copies, with_mx_copies
+from jaxmoe.model.mx_weights import mx_copies, with_mx_copies
 from jaxmoe.model.layout import LocalLayout
 from jaxmoe.model.load_metrics import load_metrics
 from jaxmoe.model.moe import MEAN_STATS
@@ -29,15 +29,15 @@ def make_loss_fn(cfg: Config, graphdef: nnx.GraphDef, layout: LocalLayout) -> Ca
     """`loss_fn(working, buffers, tokens_BxLn, key, copies) -> (loss, (ce, aux))`: the
     mean next-token loss of the rows given, plus the multi-token prediction and
     router losses, of the working copy of the parameters (the one the model computes
-    with); `copies`: its expert weights' MXFP8 copies (`mx_copies`; {} without MXFP8
-    experts). tokens_BxLn: each row's inputs and the `tokens_after` tokens
+    with); `copies`: its weights' MXFP8 copies (`mx_copies`; {} where none computes
+    in MXFP8). tokens_BxLn: each row's inputs and the `tokens_after` tokens
     after them. With MTP modules their layers' router stats follow the main
     layers' in aux, and aux["mtp_ce"] holds their cross-entropies."""
     has_moe, moe, t = cfg.num_moe_layers > 0, cfg.moe, cfg.train
     N = cfg.model.mtp_layers
 
     def loss_fn(working, buffers, tokens_BxLn, key, copies):
-        model = nnx.merge(graphdef, with_mx_copies(working, copies), buffers)
+        model = nnx.merge(graphdef, with_mx_copies(working, copies, cfg, layout.kernels), buffers)
         tokens_BxLn = layout.rows_outside_stack(tokens_BxLn)
         L = tokens_BxLn.shape[1] - tokens_after(cfg)
         x, aux = model.hidden(tokens_BxLn[:, :L], layout=layout, key=key, remat=t.remat)
@@ -73,7 +73,9 @@ def make_score_fn(cfg: Config, graphdef: nnx.GraphDef, layout: LocalLayout) -> C
     one of them is the model's argmax (0.0 otherwise)."""
 
     def score_fn(working, buffers, tokens_BxL1, mask_BxL):
-        model = nnx.merge(graphdef, working, buffers)
+        copies = mx_copies(working, cfg)  # the precisions the model trains in
+        model = nnx.merge(graphdef, with_mx_copies(working, copies, cfg, layout.kernels),
+                          buffers)
         x, _ = model.hidden(tokens_BxL1[:, :-1], layout=layout)
         logprob_BxL, greedy_BxL = model.target_logprobs(x, tokens_BxL1[:, 1:], layout,
                                                         cfg.train.loss_chunk)
@@ -107,7 +109,7 @@ def accumulate_gradients(loss_fn: Callable, cfg: Config, params, buffers, batch_
     slices_AxBxL1 = batch_BxL1.reshape(B // A, A, L1).swapaxes(0, 1)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     with jax.named_scope("working_copy"):
-        copies = mx_copies(params, cfg.moe)  # once per step, for every slice and pass
+        copies = mx_copies(params, cfg)  # once per step, for every slice and pass
     dtype = cfg.train.grad_accum_dtype if A > 1 else "float32"
 
     def one_slice(i, tokens):

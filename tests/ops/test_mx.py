@@ -145,16 +145,6 @@ def test_axis_rule_and_shape_errors():
 # ---------------------------------------------------------------- GEMMs and gradients
 
 
-def _assert_pinned(got, expected, tol, wrong: dict):
-    """got is within fp32 accumulation error of expected, and each wrong variant is not
-    (in most entries): the tolerance tells them apart."""
-    err = np.abs(np.asarray(got, np.float64) - expected)
-    assert (err <= tol).all(), f"{(err > tol).mean():.1%} outside, worst {(err / tol).max():.1f}x"
-    for name, w in wrong.items():
-        outside = (np.abs(w - expected) > tol).mean()
-        assert outside > 0.9, f"{name} is indistinguishable: only {outside:.1%} of entries differ"
-
-
 def _spread(rng, n):
     """Per-channel magnitudes 2^-8 .. 2^8: with them a block of 32 spans more than e4m3's
     2^14 between its smallest subnormal and its max, so which values share a block
@@ -176,7 +166,7 @@ def test_mx_bmm_pinned_to_reference_operands(rule):
     def gemm(a_, b_):
         return np.einsum("bmk,bnk->bmn", a_, b_)
 
-    _assert_pinned(got, gemm(fa, fb), ref.gemm_tolerance(fa, np.swapaxes(fb, 1, 2)), {
+    ref.assert_pinned(got, gemm(fa, fb), ref.gemm_tolerance(fa, np.swapaxes(fb, 1, 2)), {
         "a unquantised": gemm(a.astype(np.float64), fb),
         "b unquantised": gemm(fa, b.astype(np.float64)),
         "b blocked along N": gemm(fa, ref.fake_quantize(b, 1, rule)),
@@ -206,7 +196,7 @@ def test_mx_linear_forward_and_gradients_pinned(mxfp8_weight_grad, rule):
     f64 = lambda a: a.astype(np.float64)  # noqa: E731
 
     fwd = lambda a, b: np.einsum("eck,ekn->ecn", a, b)  # noqa: E731
-    _assert_pinned(y, fwd(fq(x, 2), fq(w, 1)), ref.gemm_tolerance(fq(x, 2), fq(w, 1)), {
+    ref.assert_pinned(y, fwd(fq(x, 2), fq(w, 1)), ref.gemm_tolerance(fq(x, 2), fq(w, 1)), {
         "x unquantised": fwd(f64(x), fq(w, 1)),
         "w unquantised": fwd(fq(x, 2), f64(w)),
         "w blocked along N": fwd(fq(x, 2), fq(w, 2)),
@@ -214,7 +204,7 @@ def test_mx_linear_forward_and_gradients_pinned(mxfp8_weight_grad, rule):
 
     bwd_x = lambda a, b: np.einsum("ecn,ekn->eck", a, b)  # noqa: E731
     dy_q, w_q = fq(dy, 2), fq(w, 2)
-    _assert_pinned(dx, bwd_x(dy_q, w_q), ref.gemm_tolerance(dy_q, np.swapaxes(w_q, 1, 2)), {
+    ref.assert_pinned(dx, bwd_x(dy_q, w_q), ref.gemm_tolerance(dy_q, np.swapaxes(w_q, 1, 2)), {
         "bf16 input gradient": bwd_x(ref.bf16_round(dy), ref.bf16_round(w)),
         "w blocked along K": bwd_x(dy_q, fq(w, 1)),
         "dy unquantised": bwd_x(f64(dy), w_q),
@@ -229,7 +219,7 @@ def test_mx_linear_forward_and_gradients_pinned(mxfp8_weight_grad, rule):
     else:
         expected, wrong = bf16, {"MXFP8 weight gradient": mx, "fp32 operands": (f64(x), f64(dy))}
     tol = ref.gemm_tolerance(np.swapaxes(expected[0], 1, 2), expected[1])
-    _assert_pinned(dw, bwd_w(*expected), tol, {k: bwd_w(*v) for k, v in wrong.items()})
+    ref.assert_pinned(dw, bwd_w(*expected), tol, {k: bwd_w(*v) for k, v in wrong.items()})
 
 
 def test_config_reaches_the_expert_gemms():
@@ -308,20 +298,25 @@ def test_mxfp8_experts_under_ep_match_one_device(dispatcher):
 
 @pytest.mark.slow
 def test_mxfp8_training_tracks_bf16(tmp_path):
+    """60 steps of a tiny model: MXFP8 experts, and MXFP8 experts and projections, end
+    within the stated margin of bf16's held-out loss, and each is a different computation."""
     from jaxmoe.config import config_from_dict
     from jaxmoe.data.corpus import load_corpus
     from jaxmoe.train import train
     corpus = load_corpus("stdlib", None, 256, 64)
     losses = {}
-    for precision in ("compute", "mxfp8"):
+    for name, experts, projections in (("compute", "compute", "compute"),
+                                       ("experts", "mxfp8", "compute"),
+                                       ("all", "mxfp8", "mxfp8")):
         cfg = config_from_dict({
             "model": {"d_model": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                      "compute_dtype": "bfloat16"},
+                      "compute_dtype": "bfloat16", "projection_precision": projections},
             "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 64,
-                    "expert_precision": precision},
+                    "expert_precision": experts},
             "train": {"steps": 60, "batch_size": 16, "seq_len": 64, "eval_every": 0,
-                      "eval_batches": 4, "run_dir": str(tmp_path / precision)},
+                      "eval_batches": 4, "run_dir": str(tmp_path / name)},
             "optimizer": {"warmup_steps": 5}, "logging": {"progress": False}})
-        losses[precision] = train(cfg, corpus)["heldout_loss"]
-    assert losses["mxfp8"] == pytest.approx(losses["compute"], abs=0.05)  # the stated margin
-    assert losses["mxfp8"] != losses["compute"]  # and it is a different computation
+        losses[name] = train(cfg, corpus)["heldout_loss"]
+    for name in ("experts", "all"):
+        assert losses[name] == pytest.approx(losses["compute"], abs=0.05)  # the stated margin
+    assert len(set(losses.values())) == 3  # and they are different computations

@@ -326,6 +326,23 @@ def test_b300_expert_gemms_are_native_mxfp8():
     assert program_flops(emulated).total("expert_gemms") > 0 and _block_scaled_calls(emulated) == []
 
 
+def test_b300_projections_are_native_mxfp8_where_asked():
+    """`model.projection_precision: mxfp8` on a B300: every attention projection's forward,
+    recomputed forward and input gradient is cuDNN's block-scaled GEMM (4 projections x 3
+    x 2 layers x 2 micro-batches), its weights quantised once per step outside every loop;
+    the weight gradients stay bf16 dots. Companion: without the key, none is block-scaled
+    and those GEMMs are bf16 dots."""
+    program, _ = _compiled("b300", model__projection_precision="mxfp8")
+    kernels = program_flops(program).kernels["attention"]
+    assert kernels["__cudnn$blockScaledDot"] == 4 * 3 * 2 * 2
+    weights = [q for q in quantisations(program) if "working_copy" in q[2]]
+    assert weights and all(runs == 1 and not in_loop for runs, in_loop, _, _ in weights)
+    bf16, _ = _compiled("b300")
+    plain = program_flops(bf16).kernels["attention"]
+    assert "__cudnn$blockScaledDot" not in plain
+    assert plain["dot"] > kernels["dot"] > 0
+
+
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "ragged"])
 def test_mxfp8_expert_gemms_do_the_routed_work(dispatcher):
     """MXFP8 experts on a B300 do the routed rows' work in every pass (4,096 rows per
