@@ -126,6 +126,7 @@ def figures(name: str) -> dict:
             "bound_tflops_by_count": roof.get("model_tflops_by_count", {}),
             "expected_parts_s": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
             "kernel_runs": expected.get("kernel_runs"),
+            "quantisation": expected.get("quantisation"),
             "compile_s": time.perf_counter() - start}
 
 

@@ -83,6 +83,29 @@ def _compose(sign: jax.Array, m: jax.Array, k: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits | sign, jnp.float32)
 
 
+def _pow2(d: jax.Array) -> jax.Array:
+    """2^d as a float32, d in [-126, 127]: a normal number, built from its bits."""
+    return jax.lax.bitcast_convert_type((d + 127) << 23, jnp.float32)
+
+
+def _scaled_down(x: jax.Array, e: jax.Array) -> jax.Array:
+    """float32 x / 2^e, exact wherever the result is at least 2^-102 (below it, 0 or a
+    value that e4m3 rounds to 0, signed as x); finite x only (the caller masks the rest).
+    |x| = m 2^k from the bit fields, then m (an integer below 2^24, so exactly a
+    float32) times two normal powers of two: no float arithmetic sees a subnormal,
+    which XLA:CPU would flush, and the integers need no per-element select."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    biased = (bits & _MAG) >> 23
+    m = (bits & 0x7FFFFF) + (jnp.minimum(biased, 1) << 23)
+    d = jnp.maximum(biased, 1) - 150 - e  # |x| / 2^e = m 2^d
+    # |x| / 2^e <= 512, so d <= 9 and the first factor is exact; below 2^-126 it stops
+    # at 2^-126 (m 2^-126 is normal) and the second takes the rest
+    first = jnp.maximum(d, -126)
+    value = m.astype(jnp.float32) * _pow2(first) * _pow2(jnp.maximum(d - first, -126))
+    return jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(value, jnp.int32) | (bits & ~_MAG), jnp.float32)
+
+
 def _exponents(amax_bits: jax.Array, scale_rule: ScaleRule) -> jax.Array:
     """Unbiased scale exponent from the bits of a finite block max."""
     biased, frac = amax_bits >> 23, amax_bits & 0x7FFFFF
@@ -102,12 +125,16 @@ def quantize(x: jax.Array, axis: int = -1,
         raise ValueError(f"MX scale rule {scale_rule!r} is not one of {list(SCALE_RULES)}")
     xb = _blocks(x.astype(jnp.float32), axis)  # axis -> (nblocks, 32)
     within = axis % x.ndim + 1  # the 32 values of a block
-    # magnitudes order as their bit patterns, NaN and Inf above every finite value
-    amax_bits = jnp.max(jax.lax.bitcast_convert_type(xb, jnp.int32) & _MAG, axis=within)
+    # a float max, so that the reduction and the elementwise pass below each read x
+    # (or fuse its producer) and share nothing per element: XLA:GPU materialised a
+    # bit-field max's int32 magnitudes, 4 bytes an element read three times. Exact: max
+    # returns one of its inputs, NaN propagates (whatever NaN's sign bit: masked), and
+    # where a flush to zero reorders subnormals every candidate gives the same exponent
+    amax = jnp.max(jnp.abs(xb), axis=within)
+    amax_bits = jax.lax.bitcast_convert_type(amax, jnp.int32) & _MAG
     finite = amax_bits < _INF
     e = _exponents(jnp.where(finite, amax_bits, 0), scale_rule)
-    sign, m, k = _fields(xb)
-    scaled = jnp.clip(_compose(sign, m, k - jnp.expand_dims(e, within)), -E4M3_MAX, E4M3_MAX)
+    scaled = jnp.clip(_scaled_down(xb, jnp.expand_dims(e, within)), -E4M3_MAX, E4M3_MAX)
     # selects against a constant would be hoisted out of the layer loops as
     # full-size broadcasts: multiply by 1 or NaN instead
     nan_or_one = jnp.expand_dims(jnp.where(finite, 1.0, jnp.nan), within)

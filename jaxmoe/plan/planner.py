@@ -191,16 +191,13 @@ def scale_out_bytes(ops, mesh) -> dict[str, int]:
     return out
 
 
-def throughput_bound(cfg, model_flops: float, flops_by_scope: dict, moved: dict, across: dict,
-                     datasheet, native_mxfp8: bool) -> dict:
+def throughput_bound(model_flops: float, flops, moved: dict, across: dict,
+                     datasheet) -> dict:
     """The most model FLOP/s per GPU this program allows on `datasheet`'s peaks and
-    links: its matrix products at peak (the MXFP8 expert GEMMs at the fp8 peak), its
-    collectives at link bandwidth, NVLink and the network in parallel. A bound from
-    the compiled program, not a measurement."""
-    experts = flops_by_scope.get("expert_gemms", {})
-    fp8_share = 1.0 if cfg.moe.mxfp8_weight_grad else 0.5  # backward: dgrad fp8, wgrad bf16
-    fp8 = (experts.get("forward", 0.0) + experts.get("recompute", 0.0)
-           + fp8_share * experts.get("backward", 0.0)) if native_mxfp8 else 0.0
+    links: its matrix products at peak (the block-scaled MXFP8 ones, `flops` a
+    `ProgramFlops`, at the fp8 peak), its collectives at link bandwidth, NVLink and the
+    network in parallel. A bound from the compiled program, not a measurement."""
+    flops_by_scope, fp8 = flops.by_scope, flops.block_scaled
     total = sum(sum(v.values()) for v in flops_by_scope.values())
     compute_s = (total - fp8) / datasheet.peak("bf16") + (fp8 / datasheet.peak("fp8") if fp8 else 0)
     out_bytes = sum(across.values())
@@ -228,7 +225,7 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     from jaxmoe.plan.collectives import collectives, totals
     from jaxmoe.parallel.pipeline import bubble_fraction
     from jaxmoe.plan.program_flops import program_flops
-    from jaxmoe.plan.roofline import Link, hosts, roofline, summary
+    from jaxmoe.plan.roofline import Link, hosts, quantisation_cost, roofline, summary
     from jaxmoe.step import uses_per_device_step
 
     cfg = load_config(config_path, overrides)
@@ -274,14 +271,15 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     datasheet = TARGETS[device]
     counts = param_counts(cfg)
     kernels = step_kernels(mesh, cfg)
-    bound = throughput_bound(cfg, model_flops, flops.by_scope, moved, across, datasheet,
-                             kernels["native_mxfp8"])
+    bound = throughput_bound(model_flops, flops, moved, across, datasheet)
     roof = expected = None
     if target != "cpu":  # XLA:CPU's program is not the one a GPU would run
         host = hosts(mesh)
         link, measured = Link.of(datasheet), Link.of(datasheet, expected=True)
-        roof = summary(roofline(program, link, host), model_flops, tokens / n, link)
-        expected = summary(roofline(program, measured, host), model_flops, tokens / n, link)
+        walks = roofline(program, link, host), roofline(program, measured, host)
+        roof, expected = (summary(w, model_flops, tokens / n, link) for w in walks)
+        for walk, w in zip((roof, expected), walks):
+            walk["quantisation"] = quantisation_cost(program, w)
         expected["rates"] = measured.rates.generation
         # model FLOP/s as each anchor counts them
         by_count = {k: flops_per_token(cfg, k) * tokens / n for k in FLOP_COUNTS}
@@ -457,6 +455,11 @@ def print_roofline(r: dict, reference: str = "", top: int = 6, expected: bool = 
           f"{r['collective_s']:.3f} s, of "
           f"them {r['exposed_collective_s']:.3f} s exposed ({r['synchronous_collectives']} "
           "synchronous ops)")
+    q = r.get("quantisation") or {}
+    if any(v["runs"] for v in q.values()):
+        print("    MXFP8 quantisation kernels: " + ", ".join(
+            f"{part} {v['seconds']:.3f} s ({v['bytes']:.3g} B in {v['runs']} runs)"
+            for part, v in q.items()))
     for title, rows, key in (("memory-bound kernels", r["memory_bound_by_scope"], "seconds"),
                              ("exposed collectives", r["exposed_by_scope"], "exposed_s")):
         shown = [(k, v) for k, v in list(rows.items())[:top] if v[key] > 0]

@@ -99,6 +99,7 @@ class ProgramFlops:
     # scope -> what computed its products ("dot", or a custom call's target) -> runs
     kernels: dict[str, dict[str, int]] = field(default_factory=dict)
     unknown_kernels: dict[str, int] = field(default_factory=dict)  # other custom calls -> runs
+    block_scaled: float = 0.0  # of them, the block-scaled (MXFP8) products', any scope
 
     def total(self, scope: str | None = None, passes: tuple[str, ...] = PASSES) -> float:
         scopes = [scope] if scope else list(self.by_scope)
@@ -307,6 +308,7 @@ def program_flops(program: Program | str) -> ProgramFlops:
     by_scope: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     kernels: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     unknown: dict[str, int] = defaultdict(int)
+    scaled = 0.0
     for inst, runs, _ in program.instructions():
         flops = product_flops(inst, program)
         if flops is None:
@@ -316,5 +318,6 @@ def program_flops(program: Program | str) -> ProgramFlops:
         scope = scope_of(inst.op_name)
         by_scope[scope][pass_of(inst.op_name)] += flops * runs
         kernels[scope]["grouped" if grouped_gemm(inst, program) else inst.target or "dot"] += runs
+        scaled += flops * runs if block_scaled(inst, program) else 0.0
     return ProgramFlops({s: dict(p) for s, p in by_scope.items()},
-                        {s: dict(k) for s, k in kernels.items()}, dict(unknown))
+                        {s: dict(k) for s, k in kernels.items()}, dict(unknown), scaled)

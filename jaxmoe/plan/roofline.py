@@ -464,3 +464,21 @@ def quantisations(program: Program) -> list[tuple[int, bool, str, tuple[int, ...
     return [(runs, in_loop, inst.op_name, arrays(inst.type_text)[0][1])
             for inst, runs, in_loop in program.instructions()
             if inst.op in _FUSIONS and "quantize" in inst.op_name]
+
+
+def quantisation_cost(program: Program, r: Roofline) -> dict[str, dict[str, float]]:
+    """Per step, the MXFP8 quantisation's kernels (`quantisations`) in the walk `r`:
+    kernels, runs, bytes and seconds, the weights' (under `working_copy`: once per step)
+    apart from the activations' and gradients' (in every layer, pass and micro-batch)."""
+    out = {part: {"kernels": 0, "runs": 0, "bytes": 0.0, "seconds": 0.0}
+           for part in ("weights", "activations")}
+    for k in r.kernels:
+        inst = program.by_name.get(k.name)
+        if inst is None or inst.op not in _FUSIONS or "quantize" not in inst.op_name:
+            continue
+        part = out["weights" if "working_copy" in inst.op_name else "activations"]
+        part["kernels"] += 1
+        part["runs"] += k.runs
+        part["bytes"] += k.bytes * k.runs
+        part["seconds"] += k.seconds * k.runs
+    return out

@@ -337,10 +337,19 @@ def test_b300_projections_are_native_mxfp8_where_asked():
     assert kernels["__cudnn$blockScaledDot"] == 4 * 3 * 2 * 2
     weights = [q for q in quantisations(program) if "working_copy" in q[2]]
     assert weights and all(runs == 1 and not in_loop for runs, in_loop, _, _ in weights)
+    # the roofline's account of them: every kernel on the quantisation's name stack
+    from jaxmoe.plan.roofline import Link, quantisation_cost, roofline
+    from jaxmoe.plan.targets import TARGETS
+    link = Link.of(TARGETS["b300"], expected=True)
+    cost = quantisation_cost(program, roofline(program, link))
+    assert cost["weights"]["runs"] == cost["weights"]["kernels"] == len(weights)
+    assert cost["activations"]["runs"] > cost["activations"]["kernels"] > 0
+    assert all(v["bytes"] > 0 and v["seconds"] > 0 for v in cost.values())
     bf16, _ = _compiled("b300")
     plain = program_flops(bf16).kernels["attention"]
     assert "__cudnn$blockScaledDot" not in plain
     assert plain["dot"] > kernels["dot"] > 0
+    assert all(v["runs"] == 0 for v in quantisation_cost(bf16, roofline(bf16, link)).values())
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "ragged"])
