@@ -218,7 +218,7 @@ PURPOSE = {
     "olmoe_8layer_e64": "the family: 64 experts",
     "olmoe_8layer_e128": "the family: 128 experts (the 47B)",
     "olmoe_8layer_e128_131k": "the 47B at 131,072-token sequences (context parallel)",
-    "moe_1200b_512gpu": "1.2T on 512 B300s, MXFP8 experts",
+    "moe_1200b_512gpu": "1.2T on 512 B300s, MXFP8 experts and projections",
     "moe_2400b_512gpu": "2.4T on 512 B300s (256 experts)",
     "deepseek_v3_671b": "DeepSeek-V3's shape on 128 B300s",
     "olmocore_47b_8xb300": "OLMo-core 3's measured 47B run",
