@@ -241,6 +241,12 @@ def check_across(c: Config) -> None:
                   if any(n % 32 for n in shape)}
         require(not uneven, "model.projection_precision", "mxfp8 blocks of 32 need every "
                 f"projection's inputs and outputs divisible by 32; not {uneven}")
+        if moe.mxfp8_weight_grad:  # their weight gradients block a call's rows by 32
+            rows = t.seq_len // max(c.mesh.context, 1)
+            require(rows % 32 == 0 and t.dense_mlp_chunk % 32 == 0, "moe.mxfp8_weight_grad",
+                    "MXFP8 projections' weight gradients block rows by 32: train.seq_len / "
+                    f"mesh.context ({rows}) and train.dense_mlp_chunk "
+                    f"({t.dense_mlp_chunk}) must be multiples of 32")
     if c.mesh.context != 1:
         check_context_split(c, c.mesh.context)
     if c.num_moe_layers and c.mesh.expert > 0:

@@ -20,9 +20,10 @@ NaN elements, so the whole block dequantises to NaN (e4m3fn has no Inf).
 tests/mx_reference.py is an independent NumPy reading of the spec that the tests
 hold `quantize` to, bit for bit, under both rules.
 
-Exponents, scalings by powers of two and dequantisation work on float32 bit
-fields: XLA:CPU treats float32 subnormals as zero in arithmetic and its exp2 and
-log2 are not exact at integers, and either would change the bits of a block.
+Exponents and dequantisation work on float32 bit fields, and the scaling multiplies
+an integer mantissa by normal powers of two built from bits: XLA:CPU treats float32
+subnormals as zero in arithmetic and its exp2 and log2 are not exact at integers, and
+either would change the bits of a block.
 """
 
 from __future__ import annotations
@@ -125,13 +126,12 @@ def quantize(x: jax.Array, axis: int = -1,
         raise ValueError(f"MX scale rule {scale_rule!r} is not one of {list(SCALE_RULES)}")
     xb = _blocks(x.astype(jnp.float32), axis)  # axis -> (nblocks, 32)
     within = axis % x.ndim + 1  # the 32 values of a block
-    # a float max, so that the reduction and the elementwise pass below each read x
-    # (or fuse its producer) and share nothing per element: XLA:GPU materialised a
-    # bit-field max's int32 magnitudes, 4 bytes an element read three times. Exact: max
-    # returns one of its inputs, NaN propagates (whatever NaN's sign bit: masked), and
-    # where a flush to zero reorders subnormals every candidate gives the same exponent
-    amax = jnp.max(jnp.abs(xb), axis=within)
-    amax_bits = jax.lax.bitcast_convert_type(amax, jnp.int32) & _MAG
+    # magnitudes order as their bit patterns, NaN and Inf above every finite value (an
+    # integer max: XLA:CPU's vectorised float max drops NaN). Taken of abs(x), not of
+    # the bits masked as `_scaled_down` masks them, so that XLA:GPU shares nothing per
+    # element between the reduction and the elementwise pass: sharing that expression,
+    # it wrote int32 magnitudes (4 bytes an element) and read them three times
+    amax_bits = jnp.max(jax.lax.bitcast_convert_type(jnp.abs(xb), jnp.int32), axis=within)
     finite = amax_bits < _INF
     e = _exponents(jnp.where(finite, amax_bits, 0), scale_rule)
     scaled = jnp.clip(_scaled_down(xb, jnp.expand_dims(e, within)), -E4M3_MAX, E4M3_MAX)

@@ -298,8 +298,9 @@ class _Gathering:
 
 def ready(round_state, layout):
     """A round's gathered weights as the layers compute with them (their MXFP8 copies)."""
-    return with_mx_copies(round_state, mx_copies(round_state, layout.cfg), layout.cfg,
-                          layout.kernels)
+    with jax.named_scope("working_copy"):  # the weights' quantisation, as the step's
+        copies = mx_copies(round_state, layout.cfg)
+    return with_mx_copies(round_state, copies, layout.cfg, layout.kernels)
 
 
 def _rounds(state, layout, parts: int) -> list:

@@ -354,7 +354,8 @@ def step_kernels(mesh, cfg) -> dict:
     with traced_on(k.device):  # as `compile_train_step` traced it
         attention = k.attention(cfg.model)
     return {"device_kind": k.device_kind, "attention": attention,
-            "native_mxfp8": k.native_mxfp8 and cfg.moe.expert_precision == "mxfp8",
+            "native_mxfp8": k.native_mxfp8 and "mxfp8" in (cfg.moe.expert_precision,
+                                                            cfg.model.projection_precision),
             "ragged_exchange": ("native" if k.native_ragged_exchange else "cpu stand-in")
             if ragged else "-",
             # the experts' GEMM: a grouped kernel over the routed rows, or over buffers

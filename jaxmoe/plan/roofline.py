@@ -459,8 +459,8 @@ def row_exchanges(program: Program, r: Roofline) -> list[tuple[str, bool, set[st
 
 def quantisations(program: Program) -> list[tuple[int, bool, str, tuple[int, ...]]]:
     """(runs per step, inside a loop, name stack, first result's dims) of every kernel
-    of the MXFP8 quantisation (`jit(quantize)` on its name stack); the expert weights'
-    are those under `working_copy`."""
+    of the MXFP8 quantisation (`jit(quantize)` on its name stack); the weights' are
+    those under `working_copy`."""
     return [(runs, in_loop, inst.op_name, arrays(inst.type_text)[0][1])
             for inst, runs, in_loop in program.instructions()
             if inst.op in _FUSIONS and "quantize" in inst.op_name]
@@ -468,8 +468,9 @@ def quantisations(program: Program) -> list[tuple[int, bool, str, tuple[int, ...
 
 def quantisation_cost(program: Program, r: Roofline) -> dict[str, dict[str, float]]:
     """Per step, the MXFP8 quantisation's kernels (`quantisations`) in the walk `r`:
-    kernels, runs, bytes and seconds, the weights' (under `working_copy`: once per step)
-    apart from the activations' and gradients' (in every layer, pass and micro-batch)."""
+    kernels, runs, bytes and seconds, the weights' (under `working_copy`: once a step,
+    or once a pipeline round) apart from the activations' and gradients' (in every
+    layer, pass and micro-batch)."""
     out = {part: {"kernels": 0, "runs": 0, "bytes": 0.0, "seconds": 0.0}
            for part in ("weights", "activations")}
     for k in r.kernels:

@@ -143,7 +143,14 @@ def test_model_through_mxfp8_projections():
 
 def test_uneven_projections_are_refused():
     """Blocks of 32 along every projection's inputs and outputs: a kv_lora_rank plus RoPE
-    key of 48 is named, nothing else."""
+    key of 48 is named, nothing else; with MXFP8 weight gradients, along the rows too."""
     with pytest.raises(ConfigError, match="model.projection_precision.*w_kv_a"):
         _cfg(**{**MLA, "kv_lora_rank": 16})
     _cfg("compute", **{**MLA, "kv_lora_rank": 16})  # bf16 takes any width
+    # MXFP8 weight gradients block a call's rows by 32
+    grad = {"moe": {"num_experts": 4, "expert_hidden": 32, "mxfp8_weight_grad": True},
+            "model": {"d_model": 64, "num_heads": 2, "num_kv_heads": 1, "head_dim": 32,
+                      "projection_precision": "mxfp8"}}
+    with pytest.raises(ConfigError, match="moe.mxfp8_weight_grad.*seq_len.*40"):
+        config_from_dict({**grad, "train": {"batch_size": 4, "seq_len": 40}})
+    config_from_dict({**grad, "train": {"batch_size": 4, "seq_len": 64}})

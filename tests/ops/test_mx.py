@@ -41,6 +41,21 @@ def _midpoints():
     return (grid[:-1] + grid[1:]) / 2
 
 
+def _nonfinite_rows(rng, rows=512):
+    """Rows of ones with one NaN (or, every fourth row, an Inf) somewhere in a block."""
+    x = np.ones((rows, 64))
+    cols = rng.integers(0, 64, rows)
+    x[np.arange(rows), cols] = np.where(np.arange(rows) % 4 == 3, np.inf, np.nan)
+    return x
+
+
+def _random_bits(rng, shape=(512, 64)):
+    """Any float32 bit pattern: NaNs of either sign and any payload, Infs, subnormals."""
+    bits = rng.integers(0, 2 ** 32, shape, dtype=np.uint64).astype(np.uint32)
+    with np.errstate(invalid="ignore"):  # signalling NaNs widen quietly
+        return bits.view(np.float32).astype(np.float64)
+
+
 def _cases():
     rng = np.random.default_rng(0)
     mid = _midpoints()
@@ -58,6 +73,10 @@ def _cases():
         "zeros": np.stack([np.zeros(64), -np.zeros(64), np.r_[np.zeros(32), np.ones(32)]]),
         "nonfinite": np.stack([np.r_[np.nan, np.ones(63)], np.r_[np.ones(40), np.inf, np.ones(23)],
                                np.r_[-np.inf, np.ones(31), np.full(32, np.nan)]]),
+        # enough rows for XLA:CPU to vectorise the block max (its float max drops NaN)
+        "nonfinite_rows": _nonfinite_rows(rng),
+        # any float32 bit pattern: NaNs of either sign and payload, Infs, subnormals
+        "random_bits": _random_bits(rng),
         "tiny": np.concatenate([_scaled_blocks(rng, 2.0 ** np.array(tiny_exps, float)),
                                 [np.full(32, 2.0 ** -127), np.full(32, 2.0 ** -149)]]),
         "huge": np.concatenate([_scaled_blocks(rng, [2.0 ** 100, 2.0 ** 120, 2.0 ** 127, F32_MAX]),
