@@ -23,8 +23,9 @@ from jaxmoe.runtime.fake_devices import without_fake_devices
 
 ROOT = Path(__file__).parent.parent
 # (each config's own layer count: a pipeline's stages need their layers)
+# heads of 32: every projection a multiple of 32 wide, as MXFP8 projections need
 TOY_MODEL = ["model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
-             "model.head_dim=16", "model.mlp_hidden=64", "moe.expert_hidden=32",
+             "model.head_dim=32", "model.mlp_hidden=64", "moe.expert_hidden=32",
              "train.batch_size=16", "train.seq_len=32"]  # 16: cpu8_pipeline's 4 x 4 micro-batches
 # the default job's downstream task asks about lines longer than the toy rows (its own
 # test trains the shipped config: tests/test_train.py)
@@ -42,7 +43,7 @@ TOY_ARGS = {
     # the shipped batch and layer count; narrow layers, short sequences; a search compiles
     # for 30 s, not the page's 600
     "jaxmoe.plan": [a for s in ["model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
-                                "model.head_dim=16", "model.mlp_hidden=64", "model.vocab_size=256",
+                                "model.head_dim=32", "model.mlp_hidden=64", "model.vocab_size=256",
                                 "moe.expert_hidden=32", "train.seq_len=64", "train.loss_chunk=0"]
                     for a in ("--set", s)] + ["--budget-s", "30"],
 }

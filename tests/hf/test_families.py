@@ -438,6 +438,7 @@ CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 TOY = ["model.vocab_size=256", "model.d_model=32", "model.num_heads=2", "model.num_kv_heads=1",
        "model.head_dim=16", "model.mlp_hidden=64", "model.compute_dtype=float32",
        "model.attention_block=0", "moe.expert_hidden=16", "moe.expert_precision=compute",
+       "model.projection_precision=compute",
        "mesh.data=1", "mesh.expert=1", "mesh.stage=1", "mesh.context=1",
        "pipeline.virtual_stages=1",
        "pipeline.stage_microbatches=1", "train.batch_size=8", "train.seq_len=16",
