@@ -456,6 +456,10 @@ def print_roofline(r: dict, reference: str = "", top: int = 6, expected: bool = 
           f"{r['collective_s']:.3f} s, of "
           f"them {r['exposed_collective_s']:.3f} s exposed ({r['synchronous_collectives']} "
           "synchronous ops)")
+    if r.get("host_transfer_bytes"):
+        print(f"    host memory (offloaded activations): {r['host_transfer_bytes']:.3g} bytes "
+              f"over the host link, {r['host_transfer_s']:.3f} s, of them "
+              f"{r['exposed_host_s']:.3f} s exposed")
     q = r.get("quantisation") or {}
     if any(v["runs"] for v in q.values()):
         print("    MXFP8 quantisation kernels: " + ", ".join(

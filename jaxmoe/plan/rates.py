@@ -19,6 +19,7 @@ date; a row that is an assumption says so, and what it stands in for.
                       programs the planner reads)
     collective        bytes / (link x `scale_up` | `all_to_all` | `scale_out`)
                       + `latency_s`
+    host copy         bytes / (host link x `host_copy`)
 
 A kernel takes the larger of its products' and its bytes' time, as in the bound.
 To refit a row from a lent GPU: `benchmarks/gpu.sh` prints each check's measured
@@ -61,6 +62,7 @@ class Rates:
     scale_out: Rate  # the network between hosts
     latency_s: Rate  # one collective's fixed cost
     launch_s: Rate  # one kernel's uncovered launch and tail
+    host_copy: Rate  # a copy to or from pinned host memory, of the host link
 
     def gemm_fraction(self, flops: float) -> float:
         return _interpolate(self.gemm, flops)
@@ -75,7 +77,8 @@ class Rates:
                ("grouped", ", ".join(f"{r:g} rows: {v:.2f}" for r, v in self.grouped),
                 self.grouped_source, False)]
         for name in ("fp8", "block_scaled", "attention_forward", "attention_backward", "hbm",
-                     "scale_up", "all_to_all", "scale_out", "latency_s", "launch_s"):
+                     "scale_up", "all_to_all", "scale_out", "latency_s", "launch_s",
+                     "host_copy"):
             r = getattr(self, name)
             out.append((name, f"{r.value:g}", r.source, r.assumed))
         return out
@@ -145,6 +148,8 @@ HOPPER = Rates(
     latency_s=Rate(20e-6, "[xla-coll] 8 x H100, smallest messages (18-24 us)"),
     launch_s=Rate(2.8e-6, "assumed: [olmo]'s uncovered time per kernel on B300",
                   assumed=True),
+    host_copy=Rate(0.80, "assumed: pinned copies over PCIe Gen5 x16 reach ~52 of its 64 GB/s "
+                         "per direction (no measured table)", assumed=True),
 )
 
 BLACKWELL = Rates(
@@ -172,6 +177,8 @@ BLACKWELL = Rates(
                          "table)", assumed=True),
     latency_s=Rate(30e-6, "[xla-coll] 8 x B200, smallest messages (28-31 us)"),
     launch_s=Rate(2.8e-6, "[olmo] uncovered per kernel in a 64 x B300 trace"),
+    host_copy=Rate(0.80, "assumed: as Hopper's PCIe Gen5 copies, for PCIe and for GB300's "
+                         "NVLink-C2C (no measured table)", assumed=True),
 )
 
 # CUDA compute capability's major version -> generation

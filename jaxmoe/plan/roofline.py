@@ -23,6 +23,10 @@ the GPU runs it, one kernel after another on one compute stream:
   one (`-start` ... `-done`) overlaps whatever kernels the schedule placed
   between its start and its done; the done waits for it. A synchronous one
   (no start/done pair, or `"is_sync":true`) blocks the compute stream;
+- a copy to or from pinned host memory (memory space S(5): activations a remat
+  policy offloads) takes the bytes it moves over the GPU's host link; an
+  asynchronous one runs on a copy stream of its own, overlapping the kernels
+  until its done as an asynchronous collective does;
 - loops run their body once per trip (`known_trip_count`), conditionals their
   slowest branch.
 
@@ -60,6 +64,7 @@ _VIEWS = {"bitcast", "reshape"}  # same bytes, another shape
 # in-place updates so: `fusion-start` runs the fused computation, `fusion-done` waits)
 _FUSIONS = {"fusion", "fusion-start"}
 _SLICES = {"slice", "dynamic-slice", "gather"}
+_HOST = ":S(5)}"  # a layout in pinned host memory
 # each collective's fixed cost, whatever its size (NCCL's small-message latency)
 LATENCY_S = {"scale_up": 10e-6, "scale_out": 25e-6}
 
@@ -76,12 +81,14 @@ class Link:
     scale_up: float  # bytes/s per direction within a host
     scale_out: float  # between hosts
     rates: Rates | None = None
+    host: float = math.inf  # bytes/s per direction between the GPU and its host's memory
 
     @classmethod
     def of(cls, target, expected: bool = False) -> Link:
         return cls(target.peak("bf16"), target.peak("fp8") or target.peak("bf16"),
                    target.hbm_bandwidth, target.scale_up, target.scale_out,
-                   rates_for(target.compute_capability) if expected else None)
+                   rates_for(target.compute_capability) if expected else None,
+                   target.host_link)
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,15 @@ class CollectiveRun:
     runs: int
 
 
+@dataclass(frozen=True)
+class HostTransfer:
+    name: str
+    bytes: float  # crossing the host link, one run
+    seconds: float
+    asynchronous: bool
+    runs: int
+
+
 @dataclass
 class Roofline:
     """One device's predicted step."""
@@ -113,6 +129,9 @@ class Roofline:
     step_s: float = 0.0
     kernels: list[Kernel] = field(default_factory=list)
     collectives: list[CollectiveRun] = field(default_factory=list)
+    host_transfers: list[HostTransfer] = field(default_factory=list)
+    # per host transfer: seconds per step the compute stream waited for it
+    host_exposed: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     # per collective op: seconds per step the compute stream waited for it
     exposed: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     # per collective op: kernel seconds per step that ran inside its window
@@ -132,6 +151,9 @@ class Roofline:
 
     def exposed_seconds(self) -> float:
         return sum(self.exposed.values())
+
+    def host_seconds(self) -> float:
+        return sum(t.seconds * t.runs for t in self.host_transfers)
 
     def by_scope(self, kind: str) -> dict[str, dict[str, float]]:
         """(scope, pass) -> seconds and bytes per step of one kind of kernel, slowest first."""
@@ -260,6 +282,29 @@ def kernel_cost(program: Program, inst: Instruction, link: Link) -> tuple[float,
     return flops, moved, max(compute, moved / (link.hbm * r.hbm.value)) + r.launch_s.value
 
 
+def host_transfer_bytes(program: Program, inst: Instruction) -> int | None:
+    """Bytes `inst` moves between the device and pinned host memory (memory space
+    S(5)); None if it moves none. XLA:GPU lowers an offloaded activation to an
+    asynchronous dynamic-update-slice into a host buffer (the forward) and a
+    dynamic-slice out of it (the backward), or to a copy: either moves what the
+    fusion writes (the update, the slice), not the buffer."""
+    if inst.op not in ("fusion-start", "fusion", "copy-start", "copy"):
+        return None
+    types = [inst.type_text, *(program.type_of(o) for o in inst.operands)]
+    if not any(_HOST in t for t in types):
+        return None
+    if inst.callee:
+        return _written_bytes(program, program.root(inst.callee))
+    return nbytes(program.type_of(inst.operands[0]))
+
+
+def host_transfer_seconds(moved: float, link: Link) -> float:
+    """A host transfer's time: its bytes over the host link (at the fraction of it
+    copies reach, for the expected step)."""
+    fraction = link.rates.host_copy.value if link.rates else 1.0
+    return moved / (link.host * fraction)
+
+
 # ---------------------------------------------------------------- a collective's cost
 
 
@@ -297,11 +342,12 @@ def _is_sync(inst: Instruction) -> bool:
 
 
 class _Stream:
-    """The compute stream's clock and the communication stream's."""
+    """The compute stream's clock, the communication stream's and the host copies'."""
 
     def __init__(self):
         self.clock = 0.0  # when the compute stream is next free
         self.comm = 0.0  # when the communication stream is next free
+        self.host = 0.0  # when the copy stream to and from host memory is next free
         self.pending: dict[str, tuple[str, float, float]] = {}  # start -> (op, finish, clock)
 
 
@@ -322,7 +368,14 @@ def roofline(program: Program | str, link: Link, host: list[int] | None = None) 
     def cost(inst: Instruction):
         if inst.name not in costs:
             op = inst.op.removesuffix("-start")
-            if op in _COLLECTIVE:
+            moved = host_transfer_bytes(program, inst)
+            if moved is not None:
+                asynchronous = inst.op.endswith("-start")
+                costs[inst.name] = ("host", host_transfer_seconds(moved, link), asynchronous)
+                out.host_transfers.append(HostTransfer(
+                    inst.name, moved, costs[inst.name][1], asynchronous,
+                    program.runs.get(inst.computation, 0)))
+            elif op in _COLLECTIVE:
                 costs[inst.name] = ("collective", _collective_seconds(
                     program, inst, op, link, host), inst.op.endswith("-start") and not _is_sync(inst))
             else:
@@ -356,25 +409,38 @@ def roofline(program: Program | str, link: Link, host: list[int] | None = None) 
                     run(b, t, weight)
                     ends.append(t)
                 slowest = max(ends, key=lambda t: t.clock)
-                s.clock, s.comm, s.pending = slowest.clock, slowest.comm, slowest.pending
+                s.clock, s.comm, s.host, s.pending = (slowest.clock, slowest.comm, slowest.host,
+                                                      slowest.pending)
             elif inst.op == "call":
                 run(inst.callee, s, weight)
             elif inst.op.endswith("-done"):
                 start = inst.operands[0] if inst.operands else ""
                 if start in s.pending:
-                    _, finish, opened = s.pending.pop(start)
-                    out.window[start] += (s.clock - opened) * weight
+                    op, finish, opened = s.pending.pop(start)
+                    exposed = out.host_exposed if op == "host" else out.exposed
+                    if op != "host":
+                        out.window[start] += (s.clock - opened) * weight
                     if finish > s.clock:
-                        out.exposed[start] += (finish - s.clock) * weight
+                        exposed[start] += (finish - s.clock) * weight
                         s.clock = finish
             elif inst.op in _FREE:
                 continue
             else:
                 kind, seconds, asynchronous = cost(inst)
+                if kind == "host":
+                    begin = max(s.clock, s.host)
+                    s.host = begin + seconds
+                    if asynchronous:
+                        s.pending[inst.name] = ("host", s.host, s.clock)
+                    else:
+                        out.host_exposed[inst.name] += (s.host - s.clock) * weight
+                        s.clock = s.host
+                    continue
                 if kind != "collective":
                     s.clock += seconds
-                    for start in s.pending:
-                        out.window_kinds[start].add(kind)
+                    for start, (op, _, _) in s.pending.items():
+                        if op != "host":
+                            out.window_kinds[start].add(kind)
                     continue
                 begin = max(s.clock, s.comm)
                 s.comm = begin + seconds
@@ -389,20 +455,23 @@ def roofline(program: Program | str, link: Link, host: list[int] | None = None) 
     def loop(body: str, condition: str, trips: int, s: _Stream, weight: float):
         # the second trip is the steady state: trips 3.. repeat its advance
         for i in range(min(trips, 2)):
-            before = (s.clock, s.comm)
+            before = (s.clock, s.comm, s.host)
             run(condition, s, weight)
             run(body, s, weight * (1 if i == 0 or trips <= 2 else trips - 1))
-        if trips > 2:  # every later trip shifts both streams by the second's period
+        if trips > 2:  # every later trip shifts the streams by the second's period
             period = s.clock - before[0]
             s.clock += period * (trips - 2)
             if s.comm > before[1]:
                 s.comm += period * (trips - 2)
+            if s.host > before[2]:
+                s.host += period * (trips - 2)
         run(condition, s, weight)
 
     stream = _Stream()
     run(program.entry, stream, 1.0)
-    out.step_s = max(stream.clock, stream.comm)
+    out.step_s = max(stream.clock, stream.comm, stream.host)
     out.exposed = dict(out.exposed)
+    out.host_exposed = dict(out.host_exposed)
     out.window = dict(out.window)
     out.window_kinds = dict(out.window_kinds)
     return out
@@ -424,7 +493,7 @@ def _branches(inst: Instruction) -> list[str]:
 
 def _copy(s: _Stream) -> _Stream:
     t = _Stream()
-    t.clock, t.comm, t.pending = s.clock, s.comm, dict(s.pending)
+    t.clock, t.comm, t.host, t.pending = s.clock, s.comm, s.host, dict(s.pending)
     return t
 
 
@@ -441,6 +510,9 @@ def summary(r: Roofline, model_flops: float, tokens_per_device: float, link: Lin
             "synchronous_collectives": sum(not c.asynchronous for c in r.collectives
                                            if c.seconds > 0),
             "kernel_runs": sum(k.runs for k in r.kernels),
+            "host_transfer_s": r.host_seconds(),
+            "host_transfer_bytes": sum(t.bytes * t.runs for t in r.host_transfers),
+            "exposed_host_s": sum(r.host_exposed.values()),
             "memory_bound_by_scope": r.by_scope("memory"),
             "gemm_by_scope": r.by_scope("gemm"),
             "exposed_by_scope": r.exposed_by_scope()}

@@ -37,6 +37,7 @@ class Target:
     scale_out: float  # bytes/s per direction per GPU between hosts (its network adapter)
     gpus_per_host: int = 8  # GPUs on one NVLink domain: a host, or a rack's NVLink switches
     chip: str = ""  # the device spec's name where it is another target's GPU
+    host_link: float = 64e9  # bytes/s per direction between the GPU and its host's memory
 
     @cached_property
     def spec(self) -> str:
@@ -76,12 +77,15 @@ class Target:
 # 800 Gb/s ConnectX-8 per GPU on HGX B300. GB300 NVL72: the B300's chip, 72 of them
 # on one NVLink domain (a rack's NVLink switches), ConnectX-8 between racks; a "host"
 # of the planner's topology is then a rack's share of the GPUs.
+# Host memory (offloaded activations): PCIe Gen5 x16 on HGX systems, 64 GB/s per
+# direction (HGX B300's ConnectX-8 switches speak Gen6, its Xeon hosts Gen5);
+# NVLink-C2C to the Grace CPU on GB300, 900 GB/s both ways, 450 per direction.
 TARGETS = {
     "h100": Target("h100", 450e9, 50e9),
     "h200": Target("h200", 450e9, 50e9),
     "b200": Target("b200", 900e9, 50e9),
     "b300": Target("b300", 900e9, 100e9),
-    "gb300": Target("gb300", 900e9, 100e9, gpus_per_host=72, chip="b300"),
+    "gb300": Target("gb300", 900e9, 100e9, gpus_per_host=72, chip="b300", host_link=450e9),
 }
 
 

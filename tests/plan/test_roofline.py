@@ -134,6 +134,87 @@ def test_an_exposed_gather_and_a_whole_operand_are_seen():
     assert one.bytes == 64 * MiB + 4 + MiB
 
 
+# ---------------------------------------------------------------- host memory
+
+# an activation offloaded as XLA:GPU lowers it: an asynchronous update of a pinned
+# host buffer (S(5)) with one layer's slice, a GEMM in its window, and later an
+# asynchronous slice back whose done the next kernel waits on at once
+OFFLOAD = """HloModule jit_step, num_partitions=1
+
+%to_host (h0: bf16[8,1024,256], h1: bf16[1,1024,256], h2: s32[]) -> bf16[8,1024,256] {
+  %h0 = bf16[8,1024,256]{2,1,0:S(5)} parameter(0)
+  %h1 = bf16[1,1024,256]{2,1,0} parameter(1)
+  %h2 = s32[] parameter(2)
+  %hz = s32[] constant(0)
+  ROOT %hdus = bf16[8,1024,256]{2,1,0:S(5)} dynamic-update-slice(%h0, %h1, %h2, %hz, %hz)
+}
+
+%from_host (f0: bf16[8,1024,256], f1: s32[]) -> bf16[1,1024,256] {
+  %f0 = bf16[8,1024,256]{2,1,0:S(5)} parameter(0)
+  %f1 = s32[] parameter(1)
+  %fz = s32[] constant(0)
+  ROOT %fds = bf16[1,1024,256]{2,1,0} dynamic-slice(%f0, %f1, %fz, %fz), dynamic_slice_sizes={1,1024,256}
+}
+
+%gemm (g0: bf16[1024,256], g1: bf16[256,512]) -> bf16[1024,512] {
+  %g0 = bf16[1024,256]{1,0} parameter(0)
+  %g1 = bf16[256,512]{1,0} parameter(1)
+  ROOT %d = bf16[1024,512]{1,0} dot(%g0, %g1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (buf: bf16[8,1024,256], act: bf16[1,1024,256], k: s32[], a: bf16[1024,256], w: bf16[256,512]) -> bf16[1,1024,256] {
+  %buf = bf16[8,1024,256]{2,1,0:S(5)} parameter(0)
+  %act = bf16[1,1024,256]{2,1,0} parameter(1)
+  %k = s32[] parameter(2)
+  %a = bf16[1024,256]{1,0} parameter(3)
+  %w = bf16[256,512]{1,0} parameter(4)
+  %out-start = ((bf16[8,1024,256]{2,1,0:S(5)}, bf16[1,1024,256]{2,1,0}, s32[]), bf16[8,1024,256]{2,1,0:S(5)}, u32[]) fusion-start(%buf, %act, %k), kind=kLoop, calls=%to_host
+  %mm = bf16[1024,512]{1,0} fusion(%a, %w), kind=kCustom, calls=%gemm
+  %out-done = bf16[8,1024,256]{2,1,0:S(5)} fusion-done(%out-start)
+  %in-start = ((bf16[8,1024,256]{2,1,0:S(5)}, s32[]), bf16[1,1024,256]{2,1,0}, u32[]) fusion-start(%out-done, %k), kind=kLoop, calls=%from_host
+  ROOT %in-done = bf16[1,1024,256]{2,1,0} fusion-done(%in-start)
+}
+"""
+
+
+def test_offloaded_activations_cross_the_host_link_beside_compute():
+    """Each transfer moves its slice (not the host buffer) over the host link, on a
+    copy stream of its own: the write hides behind the GEMM in its window, the read
+    back, with nothing in its window, is exposed whole. Companions: at HBM bandwidth
+    as a kernel (the walk before host transfers were told apart) the step differs,
+    and a host link 10x faster shrinks the exposed read 10x."""
+    link = Link(bf16_flops=1e11, fp8_flops=2e11, hbm=1e9, scale_up=1e9, scale_out=1e8,
+                host=1e9)
+    slice_ = 1024 * 256 * 2  # one layer's activation, bf16
+    gemm = 2 * 1024 * 512 * 256 / link.bf16_flops  # compute-bound at these figures
+    moved = slice_ / link.host
+    assert moved < gemm  # the write fits in the GEMM's window
+    r = roofline(Program(OFFLOAD), link)
+    assert [t.bytes for t in r.host_transfers] == [slice_, slice_]
+    assert all(t.asynchronous for t in r.host_transfers)
+    assert r.host_seconds() == pytest.approx(2 * moved, rel=1e-12)
+    assert r.host_exposed == pytest.approx({"in-start": moved}, rel=1e-12)
+    assert r.step_s == pytest.approx(gemm + moved, rel=1e-12)
+    assert [k.name for k in r.kernels] == ["mm"]  # no transfer is priced as a kernel
+    s = summary(r, model_flops=1.0, tokens_per_device=1.0, link=link)
+    assert s["host_transfer_bytes"] == 2 * slice_
+    assert s["exposed_host_s"] == pytest.approx(moved, rel=1e-12)
+    assert s["exposed_collective_s"] == 0
+
+    faster = roofline(Program(OFFLOAD), Link(**{**link.__dict__, "host": 1e10}))
+    assert faster.host_exposed["in-start"] == pytest.approx(moved / 10, rel=1e-12)
+    on_device = roofline(Program(OFFLOAD.replace(":S(5)}", "}")), link)
+    assert on_device.host_transfers == [] and len(on_device.kernels) == 3
+    assert on_device.step_s != pytest.approx(r.step_s, rel=1e-3)
+
+
+def test_the_expected_step_prices_host_copies_at_their_rate():
+    link = Link(bf16_flops=1e11, fp8_flops=2e11, hbm=1e9, scale_up=1e9, scale_out=1e8,
+                rates=ROUND, host=1e8)
+    r = roofline(Program(OFFLOAD), link)
+    assert r.host_seconds() == pytest.approx(2 * 1024 * 256 * 2 / (1e8 * 0.5), rel=1e-12)
+
+
 # ---------------------------------------------------------------- the expected step
 
 from jaxmoe.plan.rates import BLACKWELL, HOPPER, Rate, Rates, rates_for  # noqa: E402
@@ -149,12 +230,13 @@ ROUND = Rates(generation="round", gemm=((1e6, 0.25), (1e9, 0.5)), gemm_source="r
               block_scaled=_rate(1.5), attention_forward=_rate(0.6),
               attention_backward=_rate(0.4), hbm=_rate(0.8), scale_up=_rate(0.5),
               all_to_all=_rate(0.25), scale_out=_rate(0.5), latency_s=_rate(1e-5),
-              launch_s=_rate(1e-6))
+              launch_s=_rate(1e-6), host_copy=_rate(0.5))
 NEUTRAL = Rates(generation="datasheet", gemm=((1.0, 1.0),), gemm_source="", fp8=_rate(1.0),
                 grouped=((1.0, 1.0),), grouped_source="", block_scaled=_rate(2.0),
                 attention_forward=_rate(1.0), attention_backward=_rate(1.0), hbm=_rate(1.0),
                 scale_up=_rate(1.0), all_to_all=_rate(1.0), scale_out=_rate(1.0),
-                latency_s=_rate(LATENCY_S["scale_up"]), launch_s=_rate(0.0))
+                latency_s=_rate(LATENCY_S["scale_up"]), launch_s=_rate(0.0),
+                host_copy=_rate(1.0))
 
 
 def test_rates_are_looked_up_between_measured_points():
