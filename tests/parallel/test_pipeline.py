@@ -133,6 +133,18 @@ def test_pipeline_remat_equals_no_remat_and_keeps_only_the_buffers():
     assert len(_scan_residuals(loss, state.params, "none")) > 10
 
 
+def test_pipeline_offload_equals_no_remat():
+    """`offload` inside a pipeline stage's checkpoint (which keeps the layer inputs:
+    `keeping_layer_inputs`, a policy that answers with more than save-or-not) traces
+    and gives the loss and gradients of no remat; the same tolerance as above."""
+    loss, state, _ = _model({"data": 4, "stage": 2}, 4, "grouped")
+    value, _, grads = _grads(loss, state, "none")
+    offload_value, _, offload_grads = _grads(loss, state, "offload")
+    assert offload_value == pytest.approx(value, rel=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max())), offload_grads, grads)
+
+
 def test_pipeline_recomputes_each_layer_once():
     """The ddp step's stage checkpoint keeps its layers' inputs, so the backward pass
     runs each MoE layer's forward once more: the expert GEMMs and attention of the
