@@ -12,6 +12,10 @@ pruned. The survivors are compiled for the GPU without one
 spent, and ranked by their expected step (`jaxmoe.plan.rates`) among those whose
 compiled peak fits. The winner is printed as the `--set` overrides that select it.
 
+Every remat policy is a candidate, each compiled: keeping more for the backward
+pass is not always faster (a pipeline's loop can spend more moving what a layer
+keeps than recomputing it), and offloading is as fast as the host link.
+
 `micro_batch` holds the sequences each GPU runs per pass (as a measured run it is
 set beside had them): each candidate's accumulation slices are then what gives
 that many, and one that cannot is refused. `only` narrows any choice to given
@@ -28,6 +32,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from jaxmoe.config import MESH_AXES, Config, ConfigError, override_config
+from jaxmoe.model.remat import REMAT_POLICIES
 from jaxmoe.plan.counts import param_counts
 
 
@@ -89,7 +94,7 @@ def _factorisations(n: int, parts: int):
 
 
 def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
-               remats: tuple[str, ...] = ("full", "none"),
+               remats: tuple[str, ...] = ("none", *REMAT_POLICIES),
                dispatchers: tuple[str, ...] | None = None,
                stage_microbatches: tuple[int, ...] = (1, 2, 4, 8),
                virtual_stages: tuple[int, ...] = (1, 2, 4),

@@ -6,6 +6,7 @@ virtual B300s."""
 import pytest
 
 from jaxmoe.config import config_from_dict
+from jaxmoe.model.remat import REMAT_POLICIES
 from jaxmoe.plan import search as S
 from jaxmoe.plan.targets import gpu_compiler_available
 
@@ -58,7 +59,7 @@ def test_a_held_micro_batch_sets_each_layouts_slices():
 def test_only_narrows_each_choice():
     """`only` keeps the mesh sizes given and replaces the remat, dispatcher and pipeline
     lists (a policy outside the defaults included); a name that is no choice is
-    refused. Companion: without it every factorisation and both defaults' remats."""
+    refused. Companion: without it every factorisation and every remat policy."""
     cfg = config_from_dict(RAW)
     only = {"expert": (2, 4), "remat": ("save_attention",), "dispatcher": ("ragged",)}
     found, _ = S.candidates(cfg, 8, axes=("data", "expert"), only=only)
@@ -67,7 +68,7 @@ def test_only_narrows_each_choice():
     assert {config.train.remat for _, config in found} == {"save_attention"}
     every, _ = S.candidates(cfg, 8, axes=("data", "expert"))
     assert {c.expert for c, _ in every} == {1, 2, 4, 8}
-    assert {c.remat for c, _ in every} == {"full", "none"}
+    assert {c.remat for c, _ in every} == {"none", *REMAT_POLICIES}
     # the pipeline's lists where there are stages (stage 1 runs one micro-batch)
     piped, _ = S.candidates(cfg, 8, axes=("data", "stage"), only={
         "stage": (2,), "stage_microbatches": (4,), "virtual_stages": (2,), "remat": ("full",)})
