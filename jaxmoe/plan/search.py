@@ -31,6 +31,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import jax
+
 from jaxmoe.config import MESH_AXES, Config, ConfigError, override_config
 from jaxmoe.model.remat import REMAT_POLICIES
 from jaxmoe.plan.counts import param_counts
@@ -218,6 +220,9 @@ def search(cfg: Config, devices: int, target: str, budget_s: float = 600.0,
             figures = evaluate(configs[row.candidate], target)
         except (ConfigError, ValueError) as e:  # checks that need the mesh
             row.why_not = f"refused: {str(e).splitlines()[0][:100]}"
+            continue
+        except jax.errors.JaxRuntimeError as e:  # XLA failed on this one: rank the rest
+            row.why_not = f"the compiler failed: {str(e).splitlines()[0][:100]}"
             continue
         row.compile_s = time.perf_counter() - began
         row.peak_bytes, row.fits = figures["peak"], figures["peak"] <= memory

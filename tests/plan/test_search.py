@@ -154,6 +154,25 @@ def test_ranked_by_expected_step_among_those_that_fit():
     assert all(r.why_not.startswith("pruned") for r in rows)
 
 
+def test_a_layout_the_compiler_fails_on_is_marked_and_the_rest_ranked():
+    """XLA failing on one candidate (as it does on some offloading pipelines) marks
+    that row and ranks the others, rather than ending the search."""
+    import jax
+    cfg = config_from_dict(RAW)
+
+    def evaluate(config, target):
+        if config.mesh.expert == 8:
+            raise jax.errors.JaxRuntimeError("INTERNAL: during context [end-of-post-layout]")
+        return {"peak": 1e9, "expected": float(config.mesh.data), "bound": 0.5}
+
+    rows, _ = S.search(cfg, 8, "b300", evaluate=evaluate, memory=5e9, axes=("data", "expert"),
+                       **ONE_PIPE)
+    failed = [r for r in rows if r.why_not]
+    assert [(r.candidate.data, r.candidate.expert) for r in failed] == [(1, 8)]
+    assert failed[0].why_not.startswith("the compiler failed: INTERNAL")
+    assert (rows[0].candidate.data, rows[0].candidate.expert) == (2, 4) and rows[0].fits
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not gpu_compiler_available(), reason="needs the gpu-compile extra")
 def test_the_search_finds_what_brute_force_finds(capsys):
