@@ -167,7 +167,7 @@ def run_stack(stack: Block, x_BxLxD, positions_BxL, layout, key, remat: str):
 
 
 def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str, active_N=None,
-                unroll: bool = False):
+                unroll: bool = False, fetch=None):
     """lax.scan of one block over stacked layer states (leading axis = layers).
 
     active_N: per-layer flags; an inactive layer passes x through and reports nothing
@@ -176,6 +176,11 @@ def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str
     then static slices of the stack and their gradients land in the stack's
     gradient where they belong, where a loop stacks them into a zeroed buffer of
     its own first (a pipeline stage's few layers, run once per iteration).
+    fetch: what makes a layer's stored state into the state it computes with (a
+    layout's: gathering it over the mesh). The scan then fetches one layer ahead:
+    layer i computes with what the iteration before fetched while layer i + 1's is
+    fetched beside it, so the fetch (and, in the backward pass, its transpose) has a
+    layer's compute to hide behind. What the layers compute is unchanged.
     """
     n = jax.tree.leaves(state)[0].shape[0]
     keys = None if key is None else jax.random.split(key, n)
@@ -193,7 +198,30 @@ def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str
         layer = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
         body = lambda x, xs: layer(checkpoint_name(x, LAYER_INPUT), xs)  # noqa: E731
     with jax.named_scope("layers"):
-        return jax.lax.scan(body, x_BxLxD, (state, keys, active_N), unroll=unroll)
+        if fetch is None:
+            return jax.lax.scan(body, x_BxLxD, (state, keys, active_N), unroll=unroll)
+        return _scan_fetching_ahead(body, fetch, x_BxLxD, (state, keys, active_N), n)
+
+
+def _scan_fetching_ahead(body, fetch, x, xs, n: int):
+    """`lax.scan(body, x, xs)` where body takes `fetch` of each layer's state: layers
+    0 .. n - 2 in a loop that fetches the next layer's as it computes one, the last
+    after it with what the loop's last iteration fetched."""
+    state, *per_layer = xs
+    at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
+
+    def step(carry, xs):
+        x, ready = carry
+        following, *rest = xs
+        fetched = fetch(following)  # layer i + 1's, beside layer i's compute
+        y, aux = body(x, (ready, *rest))
+        return (y, fetched), aux
+
+    following = jax.tree.map(lambda a: a[1:], state)
+    head = [None if a is None else a[:-1] for a in per_layer]
+    (x, last), aux = jax.lax.scan(step, (x, fetch(at(state, 0))), (following, *head))
+    y, aux_last = body(x, (last, *[None if a is None else a[-1] for a in per_layer]))
+    return y, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), aux, aux_last)
 
 
 class Transformer(nnx.Module):

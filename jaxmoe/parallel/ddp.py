@@ -12,9 +12,11 @@ is not (ZeRO-1 off, or a tensor too small to divide).
 
 A parameter can also reach the model as its `Sharded` ZeRO-1 shard, the gather
 left to where it is used: a pipeline gathers a later round's weights piece by
-piece while an earlier round computes (`parallel.pipeline.device_pipeline`).
-The transpose of that gather is the gradient's reduce-scatter, in the same loop,
-so such a gradient arrives reduced.
+piece while an earlier round computes (`parallel.pipeline.device_pipeline`), a
+layer scan the next layer's while a layer computes
+(`parallel.layout.DeviceLayout.run_moe_stack`). The transpose of that gather is
+the gradient's reduce-scatter, in the same loop of the backward pass, beside the
+compute of the layers before it, so such a gradient arrives reduced.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ class Sharded:
     @classmethod
     def tree_unflatten(cls, plan, children):
         return cls(children[0], plan)
+
+    def per_layer(self) -> Sharded:
+        """The shard of a stacked tensor as a scan over its leading axis sees it: each
+        slice's plan (the split one axis lower)."""
+        return Sharded(self.shard, dataclasses.replace(self.plan, dim=self.plan.dim - 1))
 
     def at(self, index: int) -> Sharded:
         """The shard of the tensor's slice `index` along its first axis."""

@@ -36,7 +36,9 @@ from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout, choose_dispatcher
 from jaxmoe.model.router import Routing
 from jaxmoe.ops.kernels import Kernels
 from jaxmoe.parallel import context, ep_dispatch, sharding
-from jaxmoe.parallel.pipeline import StageStack, device_pipeline, pipeline
+from jaxmoe.model.transformer import scan_layers
+from jaxmoe.parallel.ddp import Sharded
+from jaxmoe.parallel.pipeline import StageStack, device_pipeline, pipeline, ready
 from jaxmoe.parallel.sharding import BATCH_AXES, TOKEN_AXES, axis_size
 
 
@@ -145,6 +147,29 @@ class DeviceLayout(GlobalLayout):
         return x if S == 1 else jnp.where(lax.axis_index("stage") == S - 1, x, 0.0)
 
     _pipeline = staticmethod(device_pipeline)  # one device's stage of the schedule
+
+    def run_moe_stack(self, model, x_BxLxD, positions_BxL, key, remat: str):
+        """As the global layout's; without stages, a stack whose leaves arrive as their
+        ZeRO-1 shards (`ddp.Sharded`: the ddp step defers their gather here) runs as a
+        scan that gathers the next layer's weights (and makes their MXFP8 copies) while
+        a layer computes: the step's gather and, by its transpose, its gradient's
+        reduce-scatter, a layer at a time beside the compute."""
+        graphdef, state = model.moe_stack()
+        sharded = lambda a: isinstance(a, Sharded)  # noqa: E731
+        if self.stack is not None or not any(map(sharded, jax.tree.leaves(state,
+                                                                           is_leaf=sharded))):
+            return super().run_moe_stack(model, x_BxLxD, positions_BxL, key, remat)
+        state = jax.tree.map(lambda a: a.per_layer() if sharded(a) else a, state,
+                             is_leaf=sharded)
+
+        def fetch(layer_state):
+            with jax.named_scope("working_copy"):
+                whole = jax.tree.map(lambda a: a.gathered() if sharded(a) else a, layer_state,
+                                     is_leaf=sharded)
+            return ready(whole, self)
+
+        return scan_layers(graphdef, state, x_BxLxD, positions_BxL, self, key, remat,
+                           fetch=fetch)
 
     def output_sum(self, x: jax.Array) -> jax.Array:
         """The part of a sum over the output's tokens (a router count of a layer after

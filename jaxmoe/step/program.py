@@ -187,15 +187,20 @@ class DeviceProgram(Program):
 
     def _defers(self, path, r: ddp.Reduction) -> bool:
         """Whether a parameter reaches the model as its ZeRO-1 shard, for a circular
-        pipeline to gather round by round and reduce its gradient in the same loop
-        (`device_pipeline`): a stage-held stack's tensor split only by ZeRO-1 over all
-        its replica axes, in a step of one slice that reduces in the compute dtype."""
+        pipeline to gather round by round (`device_pipeline`), or a layer scan layer
+        by layer (`DeviceLayout.run_moe_stack`), and reduce its gradient in the same
+        loop: a MoE-stack tensor split only by ZeRO-1 over all its replica axes, along
+        an axis within a chunk or a layer, in a step of one slice that reduces in the
+        compute dtype. With more slices the gradient is complete only after the
+        last, and the loop of each would reduce it again."""
         cfg = self.cfg
-        return (self.stack is not None and cfg.pipeline.virtual_stages > 1
-                and in_moe_stack(path) and self.sharded_master
+        if self.stack is not None and cfg.pipeline.virtual_stages == 1:
+            return False  # GPipe: one round, gathered before it
+        stacked = 2 if self.stack is not None else 1  # [W, S, per, ...] or [Lm, ...]
+        return (in_moe_stack(path) and self.sharded_master
                 and cfg.train.accumulation_steps == 1
                 and cfg.train.grad_reduce_dtype == cfg.model.compute_dtype
-                and bool(r.scatter_axes) and r.dim >= 2
+                and bool(r.scatter_axes) and r.dim >= stacked
                 and all(self.mesh.shape[a] == 1 for a in r.sum_axes))
 
     def start(self, step_key, rows_bxLn, extra: int = 1):

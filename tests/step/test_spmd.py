@@ -371,6 +371,44 @@ def test_zero1_shards_gathered_in_the_pipeline_equal_gathered_first(monkeypatch)
     _bf16_close(got, want)
 
 
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_zero1_shards_gathered_in_the_layer_scan_equal_gathered_first(monkeypatch, remat):
+    """bf16 masters in ZeRO-1 shards without stages (data 2 x expert 4, one slice,
+    reduced in bf16): the MoE stack reaches the layer scan as its shards, each layer's
+    gathered an iteration ahead and its gradient reduce-scattered in the backward
+    loop. Against the same step gathering everything first and reducing after: the
+    first gradients agree up to the order of bf16 additions (8 units allowed, as
+    above; half or twice fails), the losses alike, and every gradient is still
+    reduced once: the reduce-scatters move the same bytes per step, inside the loop
+    in the one and after it in the other. Under full recomputation the backward
+    pass does not gather the weights again: the gathers move the same bytes."""
+    import jaxmoe.step.program
+
+    cfg = override_config(_cfg({"data": 2, "expert": 4, "zero1": True}, 1, "bfloat16",
+                               dispatcher="alltoall"),
+                          ["train.grad_reduce_dtype=bfloat16", f"train.remat={remat}",
+                           "model.num_layers=4"])  # 3 MoE layers: a loop of 2
+
+    def run():
+        steps = build_steps(cfg, make_mesh(cfg.mesh))
+        batch = jax.ShapeDtypeStruct((cfg.train.batch_size, 17), jnp.int32,
+                                     sharding=steps.batch_sharding)
+        t = totals(compiled_collectives(steps.train_step.lower(abstract_target(steps),
+                                                               batch).compile()))
+        _, grads, _, losses, _ = _run(cfg, jax.devices())
+        return grads, losses, t
+
+    got, losses, t = run()
+    assert t["all-gather"].ops_in_loops > 0 and t["reduce-scatter"].ops_in_loops > 0
+    monkeypatch.setattr(jaxmoe.step.program.DeviceProgram, "_defers", lambda self, path, r: False)
+    want, want_losses, first = run()
+    assert first["all-gather"].ops_in_loops == first["reduce-scatter"].ops_in_loops == 0
+    _bf16_close(got, want)
+    np.testing.assert_allclose(losses, want_losses, rtol=U_BF16)
+    for kind in ("reduce-scatter", "all-gather"):
+        assert t[kind].bytes == first[kind].bytes, kind
+
+
 @pytest.mark.parametrize("dim", [1, 2])
 def test_sharded_parts_join_to_the_gathered_tensor(dim):
     """A ZeRO-1 shard gathered in 4 parts along its last axis and joined is the tensor
