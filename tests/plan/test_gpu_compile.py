@@ -192,6 +192,36 @@ def test_ddp_reduces_each_gradient_once_outside_every_loop():
     assert any(in_loop for *_, in_loop in fsdp)
 
 
+def test_one_slice_reduces_each_layers_gradient_beside_the_backward_loop():
+    """A step of one slice reducing in bf16: the layer scan gathers each layer's ZeRO-1
+    shards an iteration ahead, so each MoE layer's gradient is reduce-scattered in the
+    backward loop (XLA pipelines one iteration's out of it), asynchronous, with kernels
+    in its window (the roofline's walk), and the weights' gathers run in the forward
+    loop likewise; the reduce-scatters still move each gradient once (the bytes a step
+    of the program with two slices moves). Companion: with two slices the gradients
+    are reduced after every loop, as before."""
+    from jaxmoe.plan.roofline import Link, roofline
+    from jaxmoe.plan.targets import get_target
+
+    def scatters(program):
+        return [c for c in collectives(program) if c.kind == "reduce-scatter" and c.sent_bytes > 0]
+
+    program, _ = _compiled("b300", train__accumulation_steps=1, model__num_layers=3,
+                           train__grad_reduce_dtype="bfloat16")
+    walk = roofline(program, Link.of(get_target("b300")))
+    looped = [c for c in collectives(program) if c.kind in ("reduce-scatter", "all-gather")
+              and c.in_loop and c.sent_bytes > 0 and "working_copy" in c.op_name]
+    assert {c.kind for c in looped} == {"reduce-scatter", "all-gather"}
+    for c in looped:
+        assert program.by_name[c.name].op.endswith("-start"), c
+        assert walk.window_kinds.get(c.name), c.name  # kernels run while it does
+    two_slices, _ = _compiled("b300", train__accumulation_steps=2, model__num_layers=3,
+                              train__grad_reduce_dtype="bfloat16")
+    assert not [c for c in scatters(two_slices) if c.in_loop]
+    sent = lambda p: sum(c.sent_bytes * c.runs for c in scatters(p))  # noqa: E731
+    assert sent(program) == sent(two_slices)
+
+
 def _host_traffic(program: Program) -> list[str]:
     """Ops that wait on or talk to the host: callbacks, send/recv, in/outfeed."""
     return [inst.name for inst, _, _ in program.instructions()
