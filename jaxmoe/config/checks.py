@@ -114,6 +114,7 @@ def check_moe(moe: MoEConfig) -> None:
             f"{moe.top_k} must be in [1, num_experts={moe.num_experts}]")
     require(moe.expert_hidden > 0, "moe.expert_hidden", "must be positive")
     require(moe.capacity_factor > 0, "moe.capacity_factor", "must be positive")
+    require(moe.exchange_chunks >= 1, "moe.exchange_chunks", "must be at least 1")
     G = moe.routing_groups
     require(G > 0 and moe.num_experts % G == 0, "moe.routing_groups",
             f"{G} groups cannot split {moe.num_experts} experts evenly")

@@ -135,6 +135,11 @@ class MoEConfig:
     # rerun it, its update not applied, at doubled capacity up to E / K (jaxmoe.step.overflow);
     # or raise, stopping with the demand seen
     on_overflow: Literal["drop", "rerun", "raise"] = "drop"
+    # a layer's routed tokens dispatched in this many equal chunks, one after another:
+    # independent exchanges and expert GEMMs, so that one chunk's all-to-all runs
+    # beside another's GEMMs (the routing and its statistics stay the whole layer's;
+    # capacity is each chunk's share)
+    exchange_chunks: int = 1
     # expert GEMMs: in model.compute_dtype, or MXFP8 (e4m3 blocks of 32 with e8m0 scales)
     expert_precision: Literal["compute", "mxfp8"] = "compute"
     # mxfp8 (experts, and projections with model.projection_precision): weight gradients

@@ -10,7 +10,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.model.experts import Experts
 from jaxmoe.model.layers import MLP
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
-from jaxmoe.model.router import Router, balance_loss, expert_counts, z_loss
+from jaxmoe.model.router import Router, Routing, balance_loss, expert_counts, z_loss
 
 # The router statistics that are means over a call's tokens (totalled over batch
 # shards or micro-batches, they are averaged); the other aux entries are sums.
@@ -43,8 +43,7 @@ class MoE(nnx.Module):
         routing = self.router(x_TxD, jitter_key)
         counts_E = expert_counts(routing.expert_TxK, cfg.num_experts)
         with jax.named_scope("dispatch"):
-            out = layout.dispatch(x_TxD, routing, self.experts.weights(), cfg)
-        y_TxD = out.y_TxD
+            y_TxD, dropped = self._dispatch_in_chunks(x_TxD, routing, layout)
         if cfg.shared_expert_hidden:
             with jax.named_scope("shared_expert"):
                 y_TxD = y_TxD + self.shared(x_TxD)
@@ -52,11 +51,31 @@ class MoE(nnx.Module):
             "balance_loss": self._balance_loss(routing, B, layout),
             "z_loss": z_loss(routing),
             "counts": counts_E,
-            "dropped": out.dropped,
+            "dropped": dropped,
             "prob_sums": jnp.sum(jax.lax.stop_gradient(routing.probs_TxE), axis=0),
             "margin_sum": jnp.sum(routing.margin_T),
         }
         return y_TxD.reshape(B, L, D).astype(x_BxLxD.dtype), aux
+
+    def _dispatch_in_chunks(self, x_TxD, routing, layout: LocalLayout):
+        """The routed experts' output and the copies dropped, the tokens dispatched in
+        `moe.exchange_chunks` chunks: separate exchanges and GEMMs with no data between
+        them, which the compiler may run side by side (one chunk's exchange beside
+        another's GEMMs, forward and backward)."""
+        chunks, T = self.cfg.exchange_chunks, x_TxD.shape[0]
+        if T % chunks:
+            raise ValueError(f"moe.exchange_chunks: {chunks} chunks do not divide a layer "
+                             f"call's {T} tokens")
+        Tc, weights = T // chunks, self.experts.weights()
+        part = lambda a, i: a[i * Tc:(i + 1) * Tc]  # noqa: E731
+        outs = [layout.dispatch(part(x_TxD, i), Routing(part(routing.expert_TxK, i),
+                                                        part(routing.gate_TxK, i), None, None,
+                                                        None), weights, self.cfg)
+                for i in range(chunks)]
+        if chunks == 1:
+            return outs[0].y_TxD, outs[0].dropped
+        return (jnp.concatenate([o.y_TxD for o in outs]),
+                sum(o.dropped for o in outs[1:]) + outs[0].dropped)
 
     def _balance_loss(self, routing, batch: int, layout: LocalLayout) -> jax.Array:
         # a sequence split over devices (`mesh.context`) is still one sequence, and a

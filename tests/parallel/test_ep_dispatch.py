@@ -10,9 +10,10 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxmoe.checkpoint import abstract_target
 from jaxmoe.config import ConfigError, MeshConfig, MoEConfig, config_from_dict
 from jaxmoe.model.dispatch import buffer_slots, capacity, dense_dispatch, packed_slots
-from jaxmoe.model.experts import ExpertWeights, expert_ffn
+from jaxmoe.model.experts import ExpertWeights
 from jaxmoe.model.layout import LocalLayout
 from jaxmoe.model.moe import MoE
 from jaxmoe.model.router import Routing, route
@@ -21,6 +22,7 @@ from jaxmoe.parallel import ragged_cpu
 from jaxmoe.parallel.ep_dispatch import ragged_plan
 from jaxmoe.parallel.layout import GlobalLayout, dispatch_on_mesh, layout_for
 from jaxmoe.parallel.sharding import BATCH_AXES, make_mesh, per_device_shapes
+from jaxmoe.plan.collectives import compiled_collectives
 from jaxmoe.step import build_steps
 
 E, K, D, F, T = 8, 2, 16, 32, 64
@@ -557,11 +559,11 @@ STEP = {
 TOKENS = np.random.default_rng(0).integers(0, 256, (16, 17), dtype=np.int32)
 
 
-def _train_step(dispatcher, factor, init=None):
+def _train_step(dispatcher, factor, init=None, **moe):
     """One compiled train step from a fixed initial state (built here unless given):
     tokens -> (loss, grad norm, drops, the gradients' first moment), and that state."""
     cfg = config_from_dict({**STEP, "moe": {**STEP["moe"], "dispatcher": dispatcher,
-                                            "capacity_factor": factor}})
+                                            "capacity_factor": factor, **moe}})
     steps = build_steps(cfg, make_mesh(cfg.mesh))
     init = jax.device_get(steps.init(jax.random.PRNGKey(0))) if init is None else init
 
@@ -590,6 +592,40 @@ def test_ragged_train_step_equals_alltoall_without_drops():
     *_, other_mu = alltoall(other)
     experts = lambda m: m["moe_layers"]["moe"]["experts"]  # noqa: E731
     assert not any(jax.tree.leaves(jax.tree.map(close, experts(other_mu), experts(ref_mu))))
+
+
+@pytest.mark.parametrize("name", ["alltoall", "ragged"])
+def test_exchange_in_chunks_equals_one_exchange(name):
+    """`moe.exchange_chunks: 2`: a layer's tokens dispatched in two halves, each with
+    its own exchanges and expert GEMMs, on 8 devices without drops: the loss, norm and
+    gradients of one exchange (reordered fp32 sums, as above; twice the gradient
+    fails), and the program holds twice the token exchanges, the same bytes in all. Companion: a chunk count that
+    does not divide a device's tokens is refused by name."""
+    whole, init = _train_step(name, E / K)
+    halves, _ = _train_step(name, E / K, init, exchange_chunks=2)
+    ref_loss, ref_norm, ref_drops, ref_mu = whole(TOKENS)
+    loss, norm, drops, mu = halves(TOKENS)
+    assert drops == ref_drops == 0
+    assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
+    close = lambda a, b: _close(a, b, atol=1e-5 * float(np.abs(b).max()))  # noqa: E731
+    assert all(jax.tree.leaves(jax.tree.map(close, mu, ref_mu)))
+    assert not all(jax.tree.leaves(jax.tree.map(lambda a, b: close(2 * a, b), mu, ref_mu)))
+
+    def exchanges(chunks):
+        cfg = config_from_dict({**STEP, "moe": {**STEP["moe"], "dispatcher": name,
+                                                "capacity_factor": E / K,
+                                                "exchange_chunks": chunks}})
+        steps = build_steps(cfg, make_mesh(cfg.mesh))
+        batch = jax.ShapeDtypeStruct((16, 17), jnp.int32, sharding=steps.batch_sharding)
+        ops = compiled_collectives(steps.train_step.lower(abstract_target(steps), batch).compile())
+        rows = [c for c in ops if "dispatch" in c.op_name and c.kind == "all-to-all"]
+        return len(rows), sum(c.sent_bytes * c.runs for c in rows)
+
+    (one, one_bytes), (two, two_bytes) = exchanges(1), exchanges(2)
+    # the same token rows in all; the ragged exchange adds each chunk's E counts (int32)
+    assert two == 2 * one > 0 and two_bytes == pytest.approx(one_bytes, rel=1e-3)
+    with pytest.raises(ValueError, match="moe.exchange_chunks"):
+        _train_step(name, E / K, init, exchange_chunks=3)[0](TOKENS)
 
 
 def test_train_step_on_packed_rows_equals_the_buffers(monkeypatch):
