@@ -96,6 +96,8 @@ def figures(name: str) -> dict:
     parts = {"matrix products": expected.get("gemm_s", 0.0),
              "memory-bound kernels": expected.get("memory_bound_s", 0.0),
              "exposed collectives": expected.get("exposed_collective_s", 0.0)}
+    if expected.get("exposed_host_s"):  # offloaded activations the step waits for
+        parts["exposed host copies"] = expected["exposed_host_s"]
     return {"program": name, "jax": _version("jax"), "tokamax": _version("tokamax"),
             # what the figures were compiled from: a docs page built from them checks
             # that the config's values have not changed since (docs/generate.py)

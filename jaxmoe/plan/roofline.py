@@ -64,7 +64,7 @@ _VIEWS = {"bitcast", "reshape"}  # same bytes, another shape
 # in-place updates so: `fusion-start` runs the fused computation, `fusion-done` waits)
 _FUSIONS = {"fusion", "fusion-start"}
 _SLICES = {"slice", "dynamic-slice", "gather"}
-_HOST = ":S(5)}"  # a layout in pinned host memory
+_HOST = "S(5)"  # a layout's memory space: pinned host memory
 # each collective's fixed cost, whatever its size (NCCL's small-message latency)
 LATENCY_S = {"scale_up": 10e-6, "scale_out": 25e-6}
 
@@ -282,20 +282,31 @@ def kernel_cost(program: Program, inst: Instruction, link: Link) -> tuple[float,
     return flops, moved, max(compute, moved / (link.hbm * r.hbm.value)) + r.launch_s.value
 
 
+def _allocation(inst: Instruction) -> bool:
+    """A buffer's allocation (a host buffer's for offloaded activations): no kernel."""
+    return inst.op == "custom-call" and inst.target == "AllocateBuffer"
+
+
 def host_transfer_bytes(program: Program, inst: Instruction) -> int | None:
     """Bytes `inst` moves between the device and pinned host memory (memory space
-    S(5)); None if it moves none. XLA:GPU lowers an offloaded activation to an
+    S(5)); None if it moves none. Any kernel that reads or writes host memory moves
+    its bytes over the host link. XLA:GPU lowers an offloaded activation to an
     asynchronous dynamic-update-slice into a host buffer (the forward) and a
-    dynamic-slice out of it (the backward), or to a copy: either moves what the
-    fusion writes (the update, the slice), not the buffer."""
-    if inst.op not in ("fusion-start", "fusion", "copy-start", "copy"):
+    dynamic-slice out of it (the backward), or to a copy: each moves what it
+    writes (the update, the slice), not the buffer."""
+    op = inst.op.removesuffix("-start")
+    if inst.op in _FREE or inst.op.endswith("-done") or op in _COLLECTIVE or _allocation(inst):
         return None
     types = [inst.type_text, *(program.type_of(o) for o in inst.operands)]
     if not any(_HOST in t for t in types):
         return None
-    if inst.callee:
+    if inst.callee:  # a fusion: what it writes
         return _written_bytes(program, program.root(inst.callee))
-    return nbytes(program.type_of(inst.operands[0]))
+    if op == "dynamic-update-slice":
+        return nbytes(program.type_of(inst.operands[1]))
+    if op == "copy" and inst.operands:
+        return nbytes(program.type_of(inst.operands[0]))
+    return nbytes(inst.type_text)
 
 
 def host_transfer_seconds(moved: float, link: Link) -> float:
@@ -423,7 +434,7 @@ def roofline(program: Program | str, link: Link, host: list[int] | None = None) 
                     if finish > s.clock:
                         exposed[start] += (finish - s.clock) * weight
                         s.clock = finish
-            elif inst.op in _FREE:
+            elif inst.op in _FREE or _allocation(inst):
                 continue
             else:
                 kind, seconds, asynchronous = cost(inst)

@@ -79,7 +79,10 @@ class Target:
 # of the planner's topology is then a rack's share of the GPUs.
 # Host memory (offloaded activations): PCIe Gen5 x16 on HGX systems, 64 GB/s per
 # direction (HGX B300's ConnectX-8 switches speak Gen6, its Xeon hosts Gen5);
-# NVLink-C2C to the Grace CPU on GB300, 900 GB/s both ways, 450 per direction.
+# NVLink-C2C to the Grace CPU on GB300, 900 GB/s both ways, 450 per direction. Both
+# are one GPU's link alone: GPUs that share a switch's uplink (HGX) or a Grace's
+# memory (GB300) and offload at once get less, so offloading priced at them is a
+# lower bound of its cost.
 TARGETS = {
     "h100": Target("h100", 450e9, 50e9),
     "h200": Target("h200", 450e9, 50e9),

@@ -222,6 +222,32 @@ def test_one_slice_reduces_each_layers_gradient_beside_the_backward_loop():
     assert sent(program) == sent(two_slices)
 
 
+def test_offloaded_activations_are_host_transfers_not_kernels():
+    """`remat: offload` compiled for B300: every instruction that reads or writes pinned
+    host memory (S(5)), other than views, the dones and the host buffers' allocations,
+    is priced as a host transfer over the host link and none as a kernel; the forward
+    writes and the backward reads move the same bytes. Companion: `full` has none."""
+    from jaxmoe.plan.roofline import Link, roofline
+    from jaxmoe.plan.targets import get_target
+
+    program, _ = _compiled("b300", train__remat="offload")
+    walk = roofline(program, Link.of(get_target("b300")))
+    fused = {inst.callee for inst, _, _ in program.instructions()
+             if inst.op in ("fusion", "fusion-start")}  # a kernel's body, not kernels
+    touching = {inst.name for inst, _, _ in program.instructions()
+                if "S(5)" in " ".join([inst.type_text, *map(program.type_of, inst.operands)])
+                and inst.computation not in fused and not inst.op.endswith("-done")
+                and inst.op not in ("parameter", "get-tuple-element", "tuple", "bitcast",
+                                    "while", "call", "conditional")
+                and inst.target != "AllocateBuffer"}  # the host buffer's allocation
+    moved = {t.name: t.bytes * t.runs for t in walk.host_transfers}
+    assert touching and set(moved) == touching
+    assert not touching & {k.name for k in walk.kernels}
+    written = sum(b for n, b in moved.items() if "update" in n)
+    assert written > 0 and written == sum(moved.values()) - written
+    assert not roofline(_compiled("b300")[0], Link.of(get_target("b300"))).host_transfers
+
+
 def _host_traffic(program: Program) -> list[str]:
     """Ops that wait on or talk to the host: callbacks, send/recv, in/outfeed."""
     return [inst.name for inst, _, _ in program.instructions()

@@ -180,8 +180,8 @@ ENTRY %main (buf: bf16[8,1024,256], act: bf16[1,1024,256], k: s32[], a: bf16[102
 def test_offloaded_activations_cross_the_host_link_beside_compute():
     """Each transfer moves its slice (not the host buffer) over the host link, on a
     copy stream of its own: the write hides behind the GEMM in its window, the read
-    back, with nothing in its window, is exposed whole. Companions: at HBM bandwidth
-    as a kernel (the walk before host transfers were told apart) the step differs,
+    back, with nothing in its window, is exposed whole. Companions: the same program
+    with the buffer in device memory prices them as HBM kernels, and the step differs,
     and a host link 10x faster shrinks the exposed read 10x."""
     link = Link(bf16_flops=1e11, fp8_flops=2e11, hbm=1e9, scale_up=1e9, scale_out=1e8,
                 host=1e9)
