@@ -12,9 +12,10 @@ pruned. The survivors are compiled for the GPU without one
 spent, and ranked by their expected step (`jaxmoe.plan.rates`) among those whose
 compiled peak fits. The winner is printed as the `--set` overrides that select it.
 
-Every remat policy is a candidate, each compiled: keeping more for the backward
+Every remat policy is a candidate, each compiled (every layout's `full` first, so
+that a short budget still reaches every layout): keeping more for the backward
 pass is not always faster (a pipeline's loop can spend more moving what a layer
-keeps than recomputing it), and offloading is as fast as the host link.
+keeps than recomputing it), and offloading costs what the host link allows.
 
 `micro_batch` holds the sequences each GPU runs per pass (as a measured run it is
 set beside had them): each candidate's accumulation slices are then what gives
@@ -202,8 +203,10 @@ def search(cfg: Config, devices: int, target: str, budget_s: float = 600.0,
 
     memory = memory or get_target(target).memory
     found, refused = candidates(cfg, devices, **choices)
+    # every layout's `full` first (the policy most likely to fit), then the others:
+    # a budget too short for every policy still compiles every layout once
     rows = sorted((Row(c, static_bytes(config)) for c, config in found),
-                  key=lambda r: r.static_bytes)
+                  key=lambda r: (r.candidate.remat != "full", r.static_bytes))
     configs = dict(found)
     start = time.perf_counter()
     for i, row in enumerate(rows):

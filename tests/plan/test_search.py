@@ -154,6 +154,25 @@ def test_ranked_by_expected_step_among_those_that_fit():
     assert all(r.why_not.startswith("pruned") for r in rows)
 
 
+def test_every_layouts_full_recomputation_compiles_first():
+    """With every remat policy a candidate, each layout's `full` is compiled before any
+    other policy of any layout, so that a budget that stops early has still compiled
+    every layout once; the rest follow."""
+    cfg = config_from_dict(RAW)
+    compiled = []
+
+    def evaluate(config, target):
+        compiled.append((config.mesh.expert, config.train.remat))
+        return {"peak": 1e9, "expected": 1.0, "bound": 0.5}
+
+    S.search(cfg, 8, "b300", evaluate=evaluate, memory=5e9, axes=("data", "expert"),
+             dispatchers=("alltoall",), stage_microbatches=(2,), virtual_stages=(1,))
+    layouts = {expert for expert, _ in compiled}
+    assert len(layouts) == 4 and len(compiled) == 4 * (1 + len(REMAT_POLICIES))
+    assert {remat for _, remat in compiled[:4]} == {"full"}
+    assert "full" not in {remat for _, remat in compiled[4:]}
+
+
 def test_a_layout_the_compiler_fails_on_is_marked_and_the_rest_ranked():
     """XLA failing on one candidate (as it does on some offloading pipelines) marks
     that row and ranks the others, rather than ending the search."""
