@@ -128,7 +128,8 @@ class MoEConfig:
     # mesh.expert: alltoall, allgather, ragged (lax.ragged_all_to_all; for GPUs)
     dispatcher: Literal["dense", "grouped", "alltoall", "allgather", "ragged"] = "grouped"
     # rows of each expert's buffer = factor x its uniform share T * K / E, over a
-    # device's T tokens (grouped, alltoall) or its expert group's (ragged, allgather);
+    # device's T tokens (grouped, alltoall; a chunk's with exchange_chunks) or its
+    # expert group's (ragged, allgather);
     # copies past it are dropped and counted. E / K never drops (room for every token)
     capacity_factor: float = 1.25
     # a step whose copies overflow the buffers: drop them (counted in drop_fraction);

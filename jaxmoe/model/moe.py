@@ -10,7 +10,7 @@ from jaxmoe.config import MoEConfig
 from jaxmoe.model.experts import Experts
 from jaxmoe.model.layers import MLP
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout
-from jaxmoe.model.router import Router, Routing, balance_loss, expert_counts, z_loss
+from jaxmoe.model.router import Router, balance_loss, expert_counts, z_loss
 
 # The router statistics that are means over a call's tokens (totalled over batch
 # shards or micro-batches, they are averaged); the other aux entries are sums.
@@ -43,7 +43,7 @@ class MoE(nnx.Module):
         routing = self.router(x_TxD, jitter_key)
         counts_E = expert_counts(routing.expert_TxK, cfg.num_experts)
         with jax.named_scope("dispatch"):
-            y_TxD, dropped = self._dispatch_in_chunks(x_TxD, routing, layout)
+            y_TxD, dropped = self._dispatch_in_chunks(x_TxD, routing, layout, (B, L))
         if cfg.shared_expert_hidden:
             with jax.named_scope("shared_expert"):
                 y_TxD = y_TxD + self.shared(x_TxD)
@@ -57,25 +57,24 @@ class MoE(nnx.Module):
         }
         return y_TxD.reshape(B, L, D).astype(x_BxLxD.dtype), aux
 
-    def _dispatch_in_chunks(self, x_TxD, routing, layout: LocalLayout):
+    def _dispatch_in_chunks(self, x_TxD, routing, layout: LocalLayout, batch_shape):
         """The routed experts' output and the copies dropped, the tokens dispatched in
         `moe.exchange_chunks` chunks: separate exchanges and GEMMs with no data between
         them, which the compiler may run side by side (one chunk's exchange beside
         another's GEMMs, forward and backward)."""
-        chunks, T = self.cfg.exchange_chunks, x_TxD.shape[0]
+        chunks, (B, L), T = self.cfg.exchange_chunks, batch_shape, x_TxD.shape[0]
         if T % chunks:
-            raise ValueError(f"moe.exchange_chunks: {chunks} chunks do not divide a layer "
-                             f"call's {T} tokens")
+            raise ValueError(f"moe.exchange_chunks: {chunks} chunks do not divide the {T} "
+                             f"tokens of a layer call ({B} rows x {L} positions a device)")
         Tc, weights = T // chunks, self.experts.weights()
         part = lambda a, i: a[i * Tc:(i + 1) * Tc]  # noqa: E731
-        outs = [layout.dispatch(part(x_TxD, i), Routing(part(routing.expert_TxK, i),
-                                                        part(routing.gate_TxK, i), None, None,
-                                                        None), weights, self.cfg)
+        outs = [layout.dispatch(part(x_TxD, i),
+                                jax.tree.map(lambda a: part(a, i), routing),  # noqa: B023
+                                weights, self.cfg)
                 for i in range(chunks)]
         if chunks == 1:
             return outs[0].y_TxD, outs[0].dropped
-        return (jnp.concatenate([o.y_TxD for o in outs]),
-                sum(o.dropped for o in outs[1:]) + outs[0].dropped)
+        return jnp.concatenate([o.y_TxD for o in outs]), sum(o.dropped for o in outs)
 
     def _balance_loss(self, routing, batch: int, layout: LocalLayout) -> jax.Array:
         # a sequence split over devices (`mesh.context`) is still one sequence, and a

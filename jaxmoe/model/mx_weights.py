@@ -7,10 +7,11 @@ and the shared experts. The embedding, the LM head, the router and multi-token
 prediction's joining projection stay in the compute dtype. Both follow
 `moe.mxfp8_scale` and `moe.mxfp8_weight_grad`.
 
-The copies are made once per optimizer step, outside every loop (`mx_copies`), and
-attached to the working copy the layers read (`with_mx_copies`), so that no layer
-iteration, micro-batch or pass quantises a weight again; the GEMMs still return the
-weights' gradients.
+The copies are made once per optimizer step (`mx_copies`), outside every loop, or
+where a weight is gathered from its ZeRO-1 shards inside one (a pipeline's round, the
+layer scan's next layer) right after that gather; they are attached to the working
+copy the layers read (`with_mx_copies`), so that no micro-batch or pass quantises a
+weight again; the GEMMs still return the weights' gradients.
 """
 
 from __future__ import annotations

@@ -73,7 +73,10 @@ def keeping_layer_inputs(policy):
     if policy is None:
         return inputs
 
-    def both(prim, *args, **params):  # an offloading policy answers with more than a bool
+    # an offloading policy answers with more than a bool, which save_from_both_policies
+    # refuses; `inputs` answers True or False, so asked first, its False defers to
+    # `policy`'s answer (an offload, a recompute: objects that are always true)
+    def both(prim, *args, **params):
         return inputs(prim, *args, **params) or policy(prim, *args, **params)
 
     return both

@@ -200,13 +200,15 @@ def scan_layers(graphdef, state, x_BxLxD, positions_BxL, layout, key, remat: str
     with jax.named_scope("layers"):
         if fetch is None:
             return jax.lax.scan(body, x_BxLxD, (state, keys, active_N), unroll=unroll)
-        return _scan_fetching_ahead(body, fetch, x_BxLxD, (state, keys, active_N), n)
+        if unroll:
+            raise ValueError("scan_layers: fetch runs a loop; it cannot be unrolled")
+        return _scan_fetching_ahead(body, fetch, x_BxLxD, (state, keys, active_N))
 
 
-def _scan_fetching_ahead(body, fetch, x, xs, n: int):
+def _scan_fetching_ahead(body, fetch, x, xs):
     """`lax.scan(body, x, xs)` where body takes `fetch` of each layer's state: layers
     0 .. n - 2 in a loop that fetches the next layer's as it computes one, the last
-    after it with what the loop's last iteration fetched."""
+    after it with what the loop's last iteration fetched (one layer: a loop of none)."""
     state, *per_layer = xs
     at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
 

@@ -79,6 +79,7 @@ class Sharded:
     def per_layer(self) -> Sharded:
         """The shard of a stacked tensor as a scan over its leading axis sees it: each
         slice's plan (the split one axis lower)."""
+        assert self.plan.dim >= 1, "a shard split along its layers has no per-layer view"
         return Sharded(self.shard, dataclasses.replace(self.plan, dim=self.plan.dim - 1))
 
     def at(self, index: int) -> Sharded:

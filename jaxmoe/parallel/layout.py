@@ -34,9 +34,9 @@ from jaxmoe.config import Config, MoEConfig, check_expert_split
 from jaxmoe.model.dispatch import LOCAL, Dispatched
 from jaxmoe.model.layout import LOCAL_LAYOUT, LocalLayout, choose_dispatcher
 from jaxmoe.model.router import Routing
+from jaxmoe.model.transformer import scan_layers
 from jaxmoe.ops.kernels import Kernels
 from jaxmoe.parallel import context, ep_dispatch, sharding
-from jaxmoe.model.transformer import scan_layers
 from jaxmoe.parallel.ddp import Sharded
 from jaxmoe.parallel.pipeline import StageStack, device_pipeline, pipeline, ready
 from jaxmoe.parallel.sharding import BATCH_AXES, TOKEN_AXES, axis_size

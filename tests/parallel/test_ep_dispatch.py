@@ -599,8 +599,9 @@ def test_exchange_in_chunks_equals_one_exchange(name):
     """`moe.exchange_chunks: 2`: a layer's tokens dispatched in two halves, each with
     its own exchanges and expert GEMMs, on 8 devices without drops: the loss, norm and
     gradients of one exchange (reordered fp32 sums, as above; twice the gradient
-    fails), and the program holds twice the token exchanges, the same bytes in all. Companion: a chunk count that
-    does not divide a device's tokens is refused by name."""
+    fails), and the program holds twice the token exchanges, the same bytes in all.
+    Companion: a chunk count that does not divide a device's tokens is refused by
+    name."""
     whole, init = _train_step(name, E / K)
     halves, _ = _train_step(name, E / K, init, exchange_chunks=2)
     ref_loss, ref_norm, ref_drops, ref_mu = whole(TOKENS)

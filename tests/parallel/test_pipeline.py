@@ -144,6 +144,13 @@ def test_pipeline_offload_equals_no_remat():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max())), offload_grads, grads)
 
+    # and the stage's policy does offload: its backward pass moves tensors to the host
+    # and back (device_put), where a policy that ignored the layer's would move none
+    def moves(remat):
+        grad = jax.grad(lambda p: loss(p, remat=remat)[0])
+        return str(jax.make_jaxpr(grad)(state.params)).count("device_put")
+    assert moves("offload") > 0 and moves("full") == 0
+
 
 def test_pipeline_recomputes_each_layer_once():
     """The ddp step's stage checkpoint keeps its layers' inputs, so the backward pass
