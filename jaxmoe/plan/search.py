@@ -32,11 +32,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-import jax
-
 from jaxmoe.config import MESH_AXES, Config, ConfigError, override_config
-from jaxmoe.model.remat import REMAT_POLICIES
 from jaxmoe.plan.counts import param_counts
+
+# every `train.remat` policy (`jaxmoe.model.remat`; named here so that importing the
+# search does not start JAX before the planner has chosen its platform)
+REMATS = ("none", "full", "matmuls", "save_expert_gemms", "save_attention", "save_exchange",
+          "offload")
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def _factorisations(n: int, parts: int):
 
 
 def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
-               remats: tuple[str, ...] = ("none", *REMAT_POLICIES),
+               remats: tuple[str, ...] = REMATS,
                dispatchers: tuple[str, ...] | None = None,
                stage_microbatches: tuple[int, ...] = (1, 2, 4, 8),
                virtual_stages: tuple[int, ...] = (1, 2, 4),
@@ -201,6 +203,8 @@ def search(cfg: Config, devices: int, target: str, budget_s: float = 600.0,
     `memory`: the bytes a device may hold (default: the target's)."""
     from jaxmoe.plan.targets import get_target
 
+    from jax.errors import JaxRuntimeError
+
     memory = memory or get_target(target).memory
     found, refused = candidates(cfg, devices, **choices)
     # every layout's `full` first (the policy most likely to fit), then the others:
@@ -224,7 +228,7 @@ def search(cfg: Config, devices: int, target: str, budget_s: float = 600.0,
         except (ConfigError, ValueError) as e:  # checks that need the mesh
             row.why_not = f"refused: {str(e).splitlines()[0][:100]}"
             continue
-        except jax.errors.JaxRuntimeError as e:  # XLA failed on this one: rank the rest
+        except JaxRuntimeError as e:  # XLA failed on this one: rank the rest
             row.why_not = f"the compiler failed: {str(e).splitlines()[0][:100]}"
             continue
         row.compile_s = time.perf_counter() - began

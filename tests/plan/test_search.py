@@ -68,7 +68,7 @@ def test_only_narrows_each_choice():
     assert {config.train.remat for _, config in found} == {"save_attention"}
     every, _ = S.candidates(cfg, 8, axes=("data", "expert"))
     assert {c.expert for c, _ in every} == {1, 2, 4, 8}
-    assert {c.remat for c, _ in every} == {"none", *REMAT_POLICIES}
+    assert {c.remat for c, _ in every} == set(S.REMATS) == {"none", *REMAT_POLICIES}
     # the pipeline's lists where there are stages (stage 1 runs one micro-batch)
     piped, _ = S.candidates(cfg, 8, axes=("data", "stage"), only={
         "stage": (2,), "stage_microbatches": (4,), "virtual_stages": (2,), "remat": ("full",)})
@@ -152,6 +152,16 @@ def test_ranked_by_expected_step_among_those_that_fit():
     assert all(r.why_not == "not compiled: past the time budget" for r in rows)
     rows, _ = S.search(cfg, 8, "b300", evaluate=None, memory=1.0, **choices)
     assert all(r.why_not.startswith("pruned") for r in rows)
+
+
+def test_importing_the_search_leaves_jax_unstarted():
+    """The planner imports the search before it sets JAX_PLATFORMS for a deviceless
+    GPU compile: JAX imported by then reads the platform too early and offers no CUDA
+    topology. Checked in a fresh interpreter."""
+    import subprocess
+    import sys
+    code = "import sys, jaxmoe.plan.search; assert 'jax' not in sys.modules, 'jax imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_every_layouts_full_recomputation_compiles_first():
