@@ -559,11 +559,15 @@ STEP = {
 TOKENS = np.random.default_rng(0).integers(0, 256, (16, 17), dtype=np.int32)
 
 
+def _step_config(dispatcher, factor, **moe):
+    return config_from_dict({**STEP, "moe": {**STEP["moe"], "dispatcher": dispatcher,
+                                             "capacity_factor": factor, **moe}})
+
+
 def _train_step(dispatcher, factor, init=None, **moe):
     """One compiled train step from a fixed initial state (built here unless given):
     tokens -> (loss, grad norm, drops, the gradients' first moment), and that state."""
-    cfg = config_from_dict({**STEP, "moe": {**STEP["moe"], "dispatcher": dispatcher,
-                                            "capacity_factor": factor, **moe}})
+    cfg = _step_config(dispatcher, factor, **moe)
     steps = build_steps(cfg, make_mesh(cfg.mesh))
     init = jax.device_get(steps.init(jax.random.PRNGKey(0))) if init is None else init
 
@@ -613,9 +617,7 @@ def test_exchange_in_chunks_equals_one_exchange(name):
     assert not all(jax.tree.leaves(jax.tree.map(lambda a, b: close(2 * a, b), mu, ref_mu)))
 
     def exchanges(chunks):
-        cfg = config_from_dict({**STEP, "moe": {**STEP["moe"], "dispatcher": name,
-                                                "capacity_factor": E / K,
-                                                "exchange_chunks": chunks}})
+        cfg = _step_config(name, E / K, exchange_chunks=chunks)
         steps = build_steps(cfg, make_mesh(cfg.mesh))
         batch = jax.ShapeDtypeStruct((16, 17), jnp.int32, sharding=steps.batch_sharding)
         ops = compiled_collectives(steps.train_step.lower(abstract_target(steps), batch).compile())

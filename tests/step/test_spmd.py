@@ -282,17 +282,21 @@ def _bf16_close(got, want):
             jax.tree.map(lambda g, w: close(g, w, wrong), got, want)
 
 
+def _step_collectives(cfg):
+    """Every collective of `cfg`'s train step, compiled for abstract inputs."""
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, 17), jnp.int32,
+                                 sharding=steps.batch_sharding)
+    return compiled_collectives(steps.train_step.lower(abstract_target(steps), batch).compile())
+
+
 def _compiled_step(mesh, accumulation, dispatcher="alltoall", pipeline=None, stage_rows=None):
     """Per kind, the step's collectives but those that hand a slice's rows between
     pipeline stages (`StageRowsLayout`, scope `stage_rows`: activations, once per
     slice), which go to `stage_rows` (a list) when given."""
     cfg = _cfg(mesh, accumulation, dispatcher=dispatcher, pipeline=pipeline,
                balance_scope="microbatch")
-    steps = build_steps(cfg, make_mesh(cfg.mesh))
-    state = abstract_target(steps)
-    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, 17), jnp.int32,
-                                 sharding=steps.batch_sharding)
-    ops = compiled_collectives(steps.train_step.lower(state, batch).compile())
+    ops = _step_collectives(cfg)
     if stage_rows is not None:
         stage_rows += [c for c in ops if "stage_rows" in c.op_name]
     return totals([c for c in ops if "stage_rows" not in c.op_name])
@@ -355,11 +359,7 @@ def test_zero1_shards_gathered_in_the_pipeline_equal_gathered_first(monkeypatch)
                                dispatcher="alltoall"), ["train.grad_reduce_dtype=bfloat16"])
 
     def first_grads_and_loops():
-        steps = build_steps(cfg, make_mesh(cfg.mesh))
-        batch = jax.ShapeDtypeStruct((cfg.train.batch_size, 17), jnp.int32,
-                                     sharding=steps.batch_sharding)
-        t = totals(compiled_collectives(steps.train_step.lower(abstract_target(steps),
-                                                               batch).compile()))
+        t = totals(_step_collectives(cfg))
         return _run(cfg, jax.devices())[1], t["all-gather"].ops_in_loops, \
             t["reduce-scatter"].ops_in_loops
 
@@ -390,13 +390,8 @@ def test_zero1_shards_gathered_in_the_layer_scan_equal_gathered_first(monkeypatc
                            "model.num_layers=4"])  # 3 MoE layers: a loop of 2
 
     def run():
-        steps = build_steps(cfg, make_mesh(cfg.mesh))
-        batch = jax.ShapeDtypeStruct((cfg.train.batch_size, 17), jnp.int32,
-                                     sharding=steps.batch_sharding)
-        t = totals(compiled_collectives(steps.train_step.lower(abstract_target(steps),
-                                                               batch).compile()))
         _, grads, _, losses, _ = _run(cfg, jax.devices())
-        return grads, losses, t
+        return grads, losses, totals(_step_collectives(cfg))
 
     got, losses, t = run()
     assert t["all-gather"].ops_in_loops > 0 and t["reduce-scatter"].ops_in_loops > 0
