@@ -65,12 +65,14 @@ def grouped_matmul(x_CxI: jax.Array, w_ExIxO: jax.Array, rows_E: jax.Array,
 
 
 def grouped_weight_grad(x_CxI: jax.Array, dy_CxO: jax.Array, rows_E: jax.Array,
-                        kernels: Kernels, implementation: str) -> jax.Array:
-    """[E, I, O] fp32: each expert's rows of x (rows_E[e], packed in order) transposed
-    times the same rows of dy: `grouped_matmul`'s weight gradient, for a caller with
-    its own forward (`jaxmoe.ops.mx_grouped`)."""
+                        kernels: Kernels, implementation: str,
+                        dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """[E, I, O] in `dtype`: each expert's rows of x (rows_E[e], packed in order)
+    transposed times the same rows of dy: `grouped_matmul`'s weight gradient, for a
+    caller with its own forward (`jaxmoe.ops.mx_grouped`). The kernel sums in fp32
+    and rounds once, as it stores."""
     axes = varying_axes(x_CxI) | varying_axes(dy_CxO)
-    like = vary(jnp.zeros((), jnp.float32), axes)
+    like = vary(jnp.zeros((), dtype), axes)
     return _ragged_dot(vary(x_CxI, axes), vary(dy_CxO, axes), rows_E, _WEIGHT_GRAD, kernels,
                        implementation, like)
 

@@ -229,9 +229,14 @@ def _grouped_mx_bwd(options, kernels, residuals, dy_MxO):
         # tokamax's grouped GEMM reads x as it lies, where cuDNN's bf16 weight gradient
         # would need x^T written first (a full pass over the rows); its groups are the
         # aligned ones, padding included, named for the planner (`ALIGNED_SCOPE`)
+        # stored in the weight's dtype where nothing sums it first (the fp32 result
+        # would only be rounded to it): the same values, half the bytes written and
+        # read again by whatever adds it up (a pipeline's or slices' gradient sum)
+        summed_dw = (varying_axes(x) | varying_axes(dy_MxO)) - varying_axes(w)
         with jax.named_scope(ALIGNED_SCOPE):
             dw = grouped_weight_grad(x.astype(jnp.bfloat16), dy_MxO.astype(jnp.bfloat16),
-                                     _sizes(ends_E), kernels, "triton")
+                                     _sizes(ends_E), kernels, "triton",
+                                     jnp.float32 if summed_dw else w.dtype)
     else:
         dw = _weight_grad_kernel(impl, x.T.astype(jnp.bfloat16), dy_MxO.astype(jnp.bfloat16),
                                  ends_E)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.ops.grouped_gemm import grouped_matmul
+from jaxmoe.ops.grouped_gemm import grouped_matmul, grouped_weight_grad
 from jaxmoe.ops.kernels import Kernels
 
 I, O = 24, 40  # a GEMM's inputs and outputs
@@ -72,6 +72,21 @@ def test_grouped_gemm_equals_a_gemm_per_expert():
         got = np.asarray(got)[:used] if got.shape[0] == C else np.asarray(got)
         want = want[:used] if want.shape[0] == C else want
         assert not np.allclose(got, want, atol=1e-3)
+
+
+def test_the_weight_gradient_is_rounded_once_to_the_dtype_asked():
+    """The weight gradient stored in bf16 (`mx_grouped`'s, where nothing sums it before
+    it meets a bf16 weight) is its fp32 sum rounded once: what the fp32 result cast to
+    bf16 gave. Companion: the fp32 result is not already bf16, so the rounding is seen."""
+    x, _, dy = _problem()
+    x, dy = x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16)
+    rows, kernels = jnp.asarray(ROWS, jnp.int32), Kernels.default()
+    dw32 = grouped_weight_grad(x, dy, rows, kernels, "xla")
+    dw16 = grouped_weight_grad(x, dy, rows, kernels, "xla", jnp.bfloat16)
+    assert dw32.dtype == jnp.float32 and dw16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(dw16, np.float32),
+                                  np.asarray(dw32.astype(jnp.bfloat16), np.float32))
+    assert not np.array_equal(np.asarray(dw16, np.float32), np.asarray(dw32))
 
 
 def test_an_unknown_implementation_is_named():

@@ -367,6 +367,11 @@ def test_b300_expert_gemms_are_native_mxfp8():
     flops = program_flops(program)
     assert set(flops.kernels["expert_gemms"]) == {"grouped"}
     assert flops.unknown_kernels == {}
+    # the weight gradients are stored in the weights' bf16, not written in fp32 and
+    # rounded by the next kernel (tests/ops/test_grouped_gemm.py: the same values)
+    weight_grads = [arrays(inst.type_text)[0] for inst, _, _ in program.instructions()
+                    if inst.op == "custom-call" and "aligned_groups" in inst.op_name]
+    assert weight_grads and all(dt == "bf16" and len(dims) == 3 for dt, dims in weight_grads)
     # companion: on an H100 (no block-scaled GEMM) the expert GEMM emulates MXFP8, and
     # the check finds no native call
     cfg = _config(moe={"expert_precision": "mxfp8"}).moe
