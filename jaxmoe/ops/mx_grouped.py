@@ -231,8 +231,10 @@ def _grouped_mx_bwd(options, kernels, residuals, dy_MxO):
         # aligned ones, padding included, named for the planner (`ALIGNED_SCOPE`)
         # stored in the weight's dtype where nothing sums it first (the fp32 result
         # would only be rounded to it): the same values, half the bytes written and
-        # read again by whatever adds it up (a pipeline's or slices' gradient sum)
-        summed_dw = (varying_axes(x) | varying_axes(dy_MxO)) - varying_axes(w)
+        # read again by whatever adds it up (a pipeline's or slices' gradient sum).
+        # A mesh axis of one device sums nothing.
+        summed_dw = [a for a in (varying_axes(x) | varying_axes(dy_MxO)) - varying_axes(w)
+                     if lax.axis_size(a) > 1]
         with jax.named_scope(ALIGNED_SCOPE):
             dw = grouped_weight_grad(x.astype(jnp.bfloat16), dy_MxO.astype(jnp.bfloat16),
                                      _sizes(ends_E), kernels, "triton",

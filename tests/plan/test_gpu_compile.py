@@ -367,11 +367,7 @@ def test_b300_expert_gemms_are_native_mxfp8():
     flops = program_flops(program)
     assert set(flops.kernels["expert_gemms"]) == {"grouped"}
     assert flops.unknown_kernels == {}
-    # the weight gradients are stored in the weights' bf16, not written in fp32 and
-    # rounded by the next kernel (tests/ops/test_grouped_gemm.py: the same values)
-    weight_grads = [arrays(inst.type_text)[0] for inst, _, _ in program.instructions()
-                    if inst.op == "custom-call" and "aligned_groups" in inst.op_name]
-    assert weight_grads and all(dt == "bf16" and len(dims) == 3 for dt, dims in weight_grads)
+    assert _weight_grad_dtypes(program) == {"bf16"}
     # companion: on an H100 (no block-scaled GEMM) the expert GEMM emulates MXFP8, and
     # the check finds no native call
     cfg = _config(moe={"expert_precision": "mxfp8"}).moe
@@ -385,6 +381,32 @@ def test_b300_expert_gemms_are_native_mxfp8():
     emulated = _gpu_program("h100", experts, ((2, 64, 128), jnp.bfloat16),
                             ((2, 128, 256), jnp.float32), ((2, 128, 128), jnp.float32))
     assert program_flops(emulated).total("expert_gemms") > 0 and _block_scaled_calls(emulated) == []
+
+
+def _weight_grad_dtypes(program: Program) -> set[str]:
+    """The dtypes the MXFP8 experts' weight-gradient GEMMs ([E, I, O]) store."""
+    out = [arrays(inst.type_text)[0] for inst, _, _ in program.instructions()
+           if inst.op == "custom-call" and "aligned_groups" in inst.op_name]
+    assert out and all(len(dims) == 3 for _, dims in out)
+    return {dt for dt, _ in out}
+
+
+def test_mxfp8_weight_gradients_are_stored_in_the_weights_dtype():
+    """The weight gradient leaves its kernel in the weight's dtype, not in fp32 for the
+    next kernel to round (tests/ops/test_grouped_gemm.py: the same values): in a step
+    of one slice whose circular pipeline gathers each round's weights in its loop
+    (three rounds, so ZeRO-1 splits within a layer): they vary over fewer mesh axes
+    than the rows, `context`, of one device, which sums nothing. Companion: fp32
+    weights get an fp32 gradient."""
+    pipelined = dict(mesh__data=2, mesh__stage=2, mesh__expert=2, mesh__zero1=True,
+                     model__num_layers=6,
+                     pipeline__virtual_stages=3, pipeline__stage_microbatches=2,
+                     train__accumulation_steps=1,
+                     train__grad_reduce_dtype="bfloat16", moe__expert_precision="mxfp8",
+                     moe__dispatcher="alltoall")
+    assert _weight_grad_dtypes(_compiled("b300", **pipelined)[0]) == {"bf16"}
+    fp32, _ = _compiled("b300", **pipelined, model__compute_dtype="float32")
+    assert _weight_grad_dtypes(fp32) == {"f32"}
 
 
 def test_b300_projections_are_native_mxfp8_where_asked():
