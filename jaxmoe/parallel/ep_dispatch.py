@@ -232,6 +232,14 @@ def ragged_plan(counts_RxE: jax.Array, rank: jax.Array, El: int, C: int,
     return RaggedPlan(forward, backward, dropped, rows_RxEl[rank])
 
 
+# What `ragged`'s exchanges find in the rows nothing is sent to: a zero, but -0.0, not
+# 0.0. The backward pass makes +0.0 buffers of the same shapes (the exchanges'
+# transposes, the gathers' scatter-adds); XLA merges equal buffers, then copies the
+# merged one for each exchange that writes into it in place (benchmarks/RESULTS.md,
+# "The ragged exchange's buffers").
+EXCHANGE_BUFFER_FILL = -0.0
+
+
 def ragged(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
            kernels: Kernels) -> Dispatched:
     """EP that moves only the routed rows, into per-expert buffers pooled over sources.
@@ -263,18 +271,18 @@ def ragged(x_TlxD, routing: Routing, w_local: ExpertWeights, cfg: MoEConfig,
                            packed=grouped is not None, align=align)
         send_NxD = gather_rows(x_TlxD, slot_N, token_N, N)
         # The exchange's result has its output buffer's type, so the buffers are
-        # zeros_like the rows sent (device-varying): an invariant one would make
+        # made like the rows sent (device-varying): an invariant one would make
         # autodiff sum the result's cotangent over the devices.
         recv_ElCxD = checkpoint_name(lax.ragged_all_to_all(
-            send_NxD, jnp.zeros_like(send_NxD, shape=(rows, D)), *plan.forward,
-            axis_name="expert"), EXCHANGE_OUT)
+            send_NxD, jnp.full_like(send_NxD, EXCHANGE_BUFFER_FILL, shape=(rows, D)),
+            *plan.forward, axis_name="expert"), EXCHANGE_OUT)
     if grouped:
         y_ElCxD = expert_rows_ffn(w_local, recv_ElCxD, plan.rows_El, kernels, grouped, cfg)
     else:
         y_ElCxD = expert_ffn(w_local, recv_ElCxD.reshape(El, C, D), cfg, kernels).reshape(El * C, D)
     with jax.named_scope("exchange_back"):
         back_NxD = checkpoint_name(lax.ragged_all_to_all(
-            y_ElCxD, jnp.zeros_like(send_NxD), *plan.backward,
+            y_ElCxD, jnp.full_like(send_NxD, EXCHANGE_BUFFER_FILL), *plan.backward,
             axis_name="expert"), EXCHANGE_BACK)
         y_TlxD = combine_rows(back_NxD, slot_N, gate_TlxK.T)
     return Dispatched(y_TlxD, plan.dropped)

@@ -16,6 +16,7 @@ from jaxmoe.config import config_from_dict, load_config
 from jaxmoe.plan.hlo import Program, arrays
 from jaxmoe.model.dispatch import capacity
 from jaxmoe.model.experts import ExpertWeights, expert_ffn
+from jaxmoe.parallel import ep_dispatch
 from jaxmoe.plan.anchors import ANCHORS, differences
 from jaxmoe.plan.collectives import collectives
 from jaxmoe.plan.planner import (compile_train_step, expert_gemm_ratios, routed_expert_flops,
@@ -172,6 +173,25 @@ def test_ragged_program_exchanges_with_the_real_op():
     assert _float_all_to_alls(program) == []
     # companion: the alltoall dispatcher's exchange is such an all-to-all, and is caught
     assert _float_all_to_alls(_compiled("h100", moe__dispatcher="alltoall")[0])
+
+
+def _copied_exchange_buffers(program: Program) -> list[str]:
+    """Copies of a constant buffer (made from nothing) that a ragged exchange then
+    writes into in place."""
+    users = program.users
+    return [inst.name for inst, _, _ in program.instructions()
+            if inst.op == "copy" and not program.by_name[inst.operands[0]].operands
+            and any(u.op.startswith("ragged-all-to-all") and u.operands[1] == inst.name
+                    for u in users[inst.name])]
+
+
+def test_ragged_exchanges_write_into_buffers_of_their_own(monkeypatch):
+    """The ragged exchanges' output buffers are made where they are written, not copied
+    from a buffer XLA merged with the backward pass's zeros (`EXCHANGE_BUFFER_FILL`).
+    Companion: with +0.0 buffers the backward pass copies them."""
+    assert _copied_exchange_buffers(_compiled("b300")[0]) == []
+    monkeypatch.setattr(ep_dispatch, "EXCHANGE_BUFFER_FILL", 0.0)
+    assert _copied_exchange_buffers(_compile.__wrapped__("b300", None, _config()))
 
 
 def _reductions(program: Program) -> list[tuple[str, int, int, bool]]:
