@@ -173,17 +173,22 @@ def _mx_close(got, want):
     """fp32 reorderings (another device count, the dispatcher's sums) move a rare value
     across an e4m3 rounding boundary, and the entries it reaches off the reordered sums'
     bound (`_grads_close`): such an element moves by one e4m3 step, 2^-3 of itself at
-    most, within the tensor's largest gradient. Rare: at most 1% of a tensor's entries
-    (1 in 1,024 and 1 in 8,192 here). Half or twice the reduction moves every entry."""
-    def close(a, b):
+    most, within the tensor's largest gradient. In a weight matrix the entries it
+    reaches are rare: at most 1% (1 in 1,024 and 1 in 8,192 here). A norm's scale is
+    not: each of its entries sums over every token, so a value flipped in any token
+    reaches all of them (2 of 32 off, at 1.4e-4 of the largest, in the pipeline's dense
+    layer under XLA:CPU's unoptimised code), and only the size is bounded there. Half
+    or twice the reduction moves every entry."""
+    def close(path, a, b):
         err, top = np.abs(a - b), float(np.abs(b).max())
         off = err > 1e-4 * np.abs(b) + 1e-4 * top
-        assert off.mean() <= 0.01, f"{off.mean():.1%} of the entries are off"
+        if "scale" not in jax.tree_util.keystr(path):
+            assert off.mean() <= 0.01, f"{off.mean():.1%} of the entries are off"
         assert (err[off] <= 2.0 ** -3 * top).all(), f"{err.max() / top:.2g} of the largest"
-    jax.tree.map(close, got, want)
+    jax.tree_util.tree_map_with_path(close, got, want)
     for wrong in (0.5, 2.0):
         with pytest.raises(AssertionError):
-            jax.tree.map(lambda g, w: close(wrong * g, w), got, want)
+            jax.tree_util.tree_map_with_path(lambda p, g, w: close(p, wrong * g, w), got, want)
 
 
 @pytest.mark.parametrize("pipeline", [None, GPIPE])
