@@ -233,8 +233,8 @@ def _grouped_mx_bwd(options, kernels, residuals, dy_MxO):
         # would only be rounded to it): the same values, half the bytes written and
         # read again by whatever adds it up (a pipeline's or slices' gradient sum).
         # A mesh axis of one device sums nothing.
-        summed_dw = [a for a in (varying_axes(x) | varying_axes(dy_MxO)) - varying_axes(w)
-                     if lax.axis_size(a) > 1]
+        summed_dw = any(lax.axis_size(a) > 1
+                        for a in (varying_axes(x) | varying_axes(dy_MxO)) - varying_axes(w))
         with jax.named_scope(ALIGNED_SCOPE):
             dw = grouped_weight_grad(x.astype(jnp.bfloat16), dy_MxO.astype(jnp.bfloat16),
                                      _sizes(ends_E), kernels, "triton",
