@@ -225,7 +225,8 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     from jaxmoe.plan.collectives import collectives, totals
     from jaxmoe.parallel.pipeline import bubble_fraction
     from jaxmoe.plan.program_flops import program_flops
-    from jaxmoe.plan.roofline import Link, hosts, quantisation_cost, roofline, summary
+    from jaxmoe.plan.roofline import (Link, hosts, quantisation_cost, roofline, summary,
+                                      xla_recomputation)
     from jaxmoe.step import uses_per_device_step
 
     cfg = load_config(config_path, overrides)
@@ -280,6 +281,7 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
         roof, expected = (summary(w, model_flops, tokens / n, link) for w in walks)
         for walk, w in zip((roof, expected), walks):
             walk["quantisation"] = quantisation_cost(program, w)
+            walk["xla_recomputed"] = xla_recomputation(w)
         expected["rates"] = measured.rates.generation
         # model FLOP/s as each anchor counts them
         by_count = {k: flops_per_token(cfg, k) * tokens / n for k in FLOP_COUNTS}
@@ -465,6 +467,11 @@ def print_roofline(r: dict, reference: str = "", top: int = 6, expected: bool = 
         print("    MXFP8 quantisation kernels: " + ", ".join(
             f"{part} {v['seconds']:.3f} s ({v['bytes']:.3g} B in {v['runs']} runs)"
             for part, v in q.items()))
+    x = r.get("xla_recomputed") or {}
+    if x.get("runs"):
+        print(f"    XLA recomputes to fit the device's memory (its rematerialisation, beyond "
+              f"the remat policy): {x['kernels']} kernels, {x['seconds']:.3f} s "
+              f"({x['bytes']:.3g} B in {x['runs']} runs); a program keeping less does not")
     for title, rows, key in (("memory-bound kernels", r["memory_bound_by_scope"], "seconds"),
                              ("exposed collectives", r["exposed_by_scope"], "exposed_s")):
         shown = [(k, v) for k, v in list(rows.items())[:top] if v[key] > 0]

@@ -566,3 +566,19 @@ def quantisation_cost(program: Program, r: Roofline) -> dict[str, dict[str, floa
         part["bytes"] += k.bytes * k.runs
         part["seconds"] += k.seconds * k.runs
     return out
+
+
+def xla_recomputation(r: Roofline) -> dict[str, float]:
+    """Per step, the kernels XLA's own rematerialisation added to the walk `r`: clones
+    of a kernel whose result it would not keep (named `<kernel>.remat<n>`), made when
+    the program's peak would pass the device's memory. Work beyond the model's
+    `train.remat` policy, that a program with less to keep would not do: kernels,
+    runs, bytes and seconds."""
+    out = {"kernels": 0, "runs": 0, "bytes": 0.0, "seconds": 0.0}
+    for k in r.kernels:
+        if ".remat" in k.name:
+            out["kernels"] += 1
+            out["runs"] += k.runs
+            out["bytes"] += k.bytes * k.runs
+            out["seconds"] += k.seconds * k.runs
+    return out

@@ -83,6 +83,7 @@ class Row:
     bound_step_s: float | None = None
     tokens_per_s_per_device: float | None = None
     fits: bool | None = None
+    xla_recomputed_s: float = 0.0  # of the expected step: XLA's rematerialisation to fit
     why_not: str = ""  # pruned, refused by the compiler, or past the budget
     compile_s: float = 0.0
 
@@ -181,19 +182,21 @@ def static_bytes(cfg: Config) -> float:
 
 
 def evaluate(cfg: Config, target: str) -> dict:
-    """One candidate compiled for `target`: its peak, expected and bound step."""
+    """One candidate compiled for `target`: its peak, expected and bound step, and the
+    seconds of the expected step that XLA's rematerialisation adds."""
     from jaxmoe.plan.hlo import Program
     from jaxmoe.plan.planner import compile_train_step, peak_bytes, routed_share
-    from jaxmoe.plan.roofline import Link, hosts, roofline
+    from jaxmoe.plan.roofline import Link, hosts, roofline, xla_recomputation
     from jaxmoe.plan.targets import get_target
 
     compiled, steps, _ = compile_train_step(cfg, target)
     program = Program(compiled.as_text())
     program.routed_share = routed_share(cfg)
     host, gpu = hosts(steps.mesh), get_target(target)
-    expected = roofline(program, Link.of(gpu, expected=True), host).step_s
-    return {"peak": peak_bytes(compiled.memory_analysis()), "expected": expected,
-            "bound": roofline(program, Link.of(gpu), host).step_s}
+    expected = roofline(program, Link.of(gpu, expected=True), host)
+    return {"peak": peak_bytes(compiled.memory_analysis()), "expected": expected.step_s,
+            "bound": roofline(program, Link.of(gpu), host).step_s,
+            "xla_recomputed": xla_recomputation(expected)["seconds"]}
 
 
 def search(cfg: Config, devices: int, target: str, budget_s: float = 600.0,
@@ -234,6 +237,7 @@ def search(cfg: Config, devices: int, target: str, budget_s: float = 600.0,
         row.compile_s = time.perf_counter() - began
         row.peak_bytes, row.fits = figures["peak"], figures["peak"] <= memory
         row.expected_step_s, row.bound_step_s = figures["expected"], figures["bound"]
+        row.xla_recomputed_s = figures.get("xla_recomputed", 0.0)
         t = cfg.train
         row.tokens_per_s_per_device = t.batch_size * t.seq_len / devices / figures["expected"]
     rows.sort(key=lambda r: (not r.fits, r.expected_step_s is None,
@@ -260,9 +264,11 @@ def print_search(rows: list[Row], refused: Counter, top: int = 12) -> None:
         if r.expected_step_s is None:
             print(f"| - | {r.candidate} | {r.why_not} | | | {gb(r.static_bytes)} static | |")
             continue
+        recomputed = (f", XLA recomputes {r.xla_recomputed_s:.2f} s to fit"
+                      if r.xla_recomputed_s else "")
         print(f"| {i} | {r.candidate} | {r.expected_step_s:.3f} s | {r.bound_step_s:.3f} s "
               f"| {r.tokens_per_s_per_device:,.0f} | {gb(r.peak_bytes)} | "
-              f"{'yes' if r.fits else 'no'} |")
+              f"{'yes' if r.fits else 'no'}{recomputed} |")
     best = rows[0] if rows and rows[0].fits else None
     if best is None:
         print("no layout compiled fits: widen the budget, or add devices")

@@ -2,9 +2,11 @@
 with no GPU: what it computes, sends and calls. Each property has a companion that
 breaks it and shows the check catching the break."""
 
+import dataclasses
 import functools
 import math
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -23,7 +25,8 @@ from jaxmoe.plan.planner import (compile_train_step, expert_gemm_ratios, routed_
                                  routed_share)
 from jaxmoe.plan.program_flops import block_scaled, grouped_gemm, program_flops
 from jaxmoe.plan.roofline import quantisations
-from jaxmoe.plan.targets import EXTRA, compile_deviceless, gpu_compiler_available, virtual_devices
+from jaxmoe.plan.targets import (EXTRA, Target, compile_deviceless, get_target,
+                                 gpu_compiler_available, virtual_devices)
 
 if not gpu_compiler_available():  # part of the test extra: missing is a failure, not a skip
     pytest.fail(f"the GPU compiler is not installed: {EXTRA}", pytrace=False)
@@ -240,6 +243,41 @@ def test_one_slice_reduces_each_layers_gradient_beside_the_backward_loop():
     assert not [c for c in scatters(two_slices) if c.in_loop]
     sent = lambda p: sum(c.sent_bytes * c.runs for c in scatters(p))  # noqa: E731
     assert sent(program) == sent(two_slices)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SmallB300(Target):
+    """A B300 with `memory_bytes` of device memory: what XLA plans its program's
+    memory against."""
+
+    memory_bytes: int = 0
+
+    @functools.cached_property
+    def spec(self) -> str:
+        return re.sub(r"device_memory_size: \d+", f"device_memory_size: {self.memory_bytes}",
+                      get_target("b300").spec)
+
+
+def test_xla_recomputation_is_counted_where_the_memory_forces_it():
+    """Nothing recomputed by the policy (`remat: none`): on a B300 of 14 MB the small
+    program's 11 MB of temporaries and its weights do not fit, and XLA's own
+    rematerialisation clones kernels to bring its peak down; the walk counts them
+    (`xla_recomputation`) and their seconds are part of the expected step. Companion:
+    on the B300 (288 GB) XLA clones none."""
+    from jaxmoe.plan.roofline import Link, roofline, xla_recomputation
+
+    def recomputed(target):
+        program, _ = _compiled(target, train__remat="none")
+        walk = roofline(program, Link.of(get_target(target) if isinstance(target, str) else
+                                         target, expected=True))
+        return xla_recomputation(walk), walk
+
+    small = _SmallB300("b300", 900e9, 100e9, memory_bytes=14_000_000)
+    assert small.memory == 14_000_000
+    x, walk = recomputed(small)
+    assert x["kernels"] > 0 and x["runs"] >= x["kernels"]
+    assert 0 < x["seconds"] < walk.seconds() and x["bytes"] > 0
+    assert recomputed("b300")[0]["kernels"] == 0
 
 
 def test_offloaded_activations_are_host_transfers_not_kernels():

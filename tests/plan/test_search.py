@@ -154,6 +154,23 @@ def test_ranked_by_expected_step_among_those_that_fit():
     assert all(r.why_not.startswith("pruned") for r in rows)
 
 
+def test_the_table_names_what_xla_recomputes_to_fit(capsys):
+    """A layout whose program fits only because XLA rematerialised kernels says so in
+    its row, with the seconds of its expected step they take; the others say nothing."""
+    cfg = config_from_dict(RAW)
+    figures = {(1, 8): {"peak": 4.9e9, "expected": 1.5, "bound": 0.7, "xla_recomputed": 0.42},
+               (2, 4): {"peak": 1e9, "expected": 2.0, "bound": 1.0, "xla_recomputed": 0.0},
+               (4, 2): {"peak": 1e9, "expected": 3.0, "bound": 1.5},
+               (8, 1): {"peak": 1e9, "expected": 4.0, "bound": 2.0}}
+    rows, refused = S.search(cfg, 8, "b300", evaluate=_fake_evaluate(figures), memory=5e9,
+                             axes=("data", "expert"), **ONE_PIPE)
+    S.print_search(rows, refused)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    marked = [line for line in lines if "XLA recomputes" in line]
+    assert marked == [line for line in lines if "| yes, XLA recomputes 0.42 s to fit |" in line]
+    assert len(marked) == 1 and "1.500 s" in marked[0]
+
+
 def test_importing_the_search_leaves_jax_unstarted():
     """The planner imports the search before it sets JAX_PLATFORMS for a deviceless
     GPU compile: JAX imported by then reads the platform too early and offers no CUDA
