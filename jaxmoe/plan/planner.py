@@ -471,7 +471,7 @@ def print_roofline(r: dict, reference: str = "", top: int = 6, expected: bool = 
     if x.get("runs"):
         print(f"    XLA recomputes to fit the device's memory (its rematerialisation, beyond "
               f"the remat policy): {x['kernels']} kernels, {x['seconds']:.3f} s "
-              f"({x['bytes']:.3g} B in {x['runs']} runs); a program keeping less does not")
+              f"({x['bytes']:.3g} B in {x['runs']} runs)")
     for title, rows, key in (("memory-bound kernels", r["memory_bound_by_scope"], "seconds"),
                              ("exposed collectives", r["exposed_by_scope"], "exposed_s")):
         shown = [(k, v) for k, v in list(rows.items())[:top] if v[key] > 0]

@@ -570,10 +570,11 @@ def quantisation_cost(program: Program, r: Roofline) -> dict[str, dict[str, floa
 
 def xla_recomputation(r: Roofline) -> dict[str, float]:
     """Per step, the kernels XLA's own rematerialisation added to the walk `r`: clones
-    of a kernel whose result it would not keep (named `<kernel>.remat<n>`), made when
-    the program's peak would pass the device's memory. Work beyond the model's
-    `train.remat` policy, that a program with less to keep would not do: kernels,
-    runs, bytes and seconds."""
+    of a kernel whose result it chose not to keep (named `<kernel>.remat<n>`), made
+    where the program would pass the memory XLA plans for (the device's, less the
+    step's inputs and outputs, times `xla_gpu_memory_limit_slop_factor` percent).
+    Work the model's `train.remat` policy did not ask for: kernels, runs, bytes and
+    seconds."""
     out = {"kernels": 0, "runs": 0, "bytes": 0.0, "seconds": 0.0}
     for k in r.kernels:
         if ".remat" in k.name:

@@ -338,3 +338,24 @@ def test_a_grouped_gemm_by_rows_per_group_and_a_block_scaled_one(share, per_grou
         bs_bytes / (LINK.hbm * 0.8)) + 1e-6, rel=1e-9)
     bound = {k.name: k for k in roofline(program, LINK).kernels}
     assert bound["bs"].seconds == pytest.approx(max(scaled / LINK.fp8_flops, bs_bytes / LINK.hbm))
+
+
+def test_the_plan_prints_what_xla_recomputes_only_where_it_does(capsys):
+    """A walk with kernels XLA rematerialised prints their count and seconds beside
+    the step's parts; a walk without prints no such line."""
+    from jaxmoe.plan.planner import print_roofline
+
+    walk = {"rates": "blackwell", "step_s": 13.5, "tokens_per_s_per_device": 4842.0,
+            "model_tflops_per_device": 542.0, "mfu": 0.241, "gemm_s": 8.2,
+            "memory_bound_s": 3.9, "memory_bound_bytes": 3.1e13, "collective_s": 2.0,
+            "exposed_collective_s": 1.1, "synchronous_collectives": 0,
+            "memory_bound_by_scope": {}, "exposed_by_scope": {},
+            "xla_recomputed": {"kernels": 291, "runs": 21360, "bytes": 1.11e13,
+                               "seconds": 2.555}}
+    print_roofline(walk, expected=True)
+    line = [x for x in capsys.readouterr().out.splitlines() if "XLA recomputes" in x]
+    assert line == ["    XLA recomputes to fit the device's memory (its rematerialisation, "
+                    "beyond the remat policy): 291 kernels, 2.555 s (1.11e+13 B in 21360 runs)"]
+    print_roofline({**walk, "xla_recomputed": {"kernels": 0, "runs": 0, "bytes": 0.0,
+                                               "seconds": 0.0}}, expected=True)
+    assert "XLA recomputes" not in capsys.readouterr().out
