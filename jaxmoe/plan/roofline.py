@@ -554,18 +554,13 @@ def quantisation_cost(program: Program, r: Roofline) -> dict[str, dict[str, floa
     kernels, runs, bytes and seconds, the weights' (under `working_copy`: once a step,
     or once a pipeline round) apart from the activations' and gradients' (in every
     layer, pass and micro-batch)."""
-    out = {part: {"kernels": 0, "runs": 0, "bytes": 0.0, "seconds": 0.0}
-           for part in ("weights", "activations")}
+    parts = {"weights": [], "activations": []}
     for k in r.kernels:
         inst = program.by_name.get(k.name)
         if inst is None or inst.op not in _FUSIONS or "quantize" not in inst.op_name:
             continue
-        part = out["weights" if "working_copy" in inst.op_name else "activations"]
-        part["kernels"] += 1
-        part["runs"] += k.runs
-        part["bytes"] += k.bytes * k.runs
-        part["seconds"] += k.seconds * k.runs
-    return out
+        parts["weights" if "working_copy" in inst.op_name else "activations"].append(k)
+    return {part: _tally(kernels) for part, kernels in parts.items()}
 
 
 def xla_recomputation(r: Roofline) -> dict[str, float]:
@@ -575,11 +570,11 @@ def xla_recomputation(r: Roofline) -> dict[str, float]:
     step's inputs and outputs, times `xla_gpu_memory_limit_slop_factor` percent).
     Work the model's `train.remat` policy did not ask for: kernels, runs, bytes and
     seconds."""
-    out = {"kernels": 0, "runs": 0, "bytes": 0.0, "seconds": 0.0}
-    for k in r.kernels:
-        if ".remat" in k.name:
-            out["kernels"] += 1
-            out["runs"] += k.runs
-            out["bytes"] += k.bytes * k.runs
-            out["seconds"] += k.seconds * k.runs
-    return out
+    return _tally([k for k in r.kernels if ".remat" in k.name])
+
+
+def _tally(kernels: list[Kernel]) -> dict[str, float]:
+    """Kernels, runs, bytes and seconds per step of some of a walk's kernels."""
+    return {"kernels": len(kernels), "runs": sum(k.runs for k in kernels),
+            "bytes": float(sum(k.bytes * k.runs for k in kernels)),
+            "seconds": float(sum(k.seconds * k.runs for k in kernels))}
