@@ -27,6 +27,7 @@ import logging
 import shutil
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -564,8 +565,8 @@ def _quiet_failed_io() -> None:
     After a damaged file fails a read (or a full disk a write), TensorStore's
     callbacks still post to orbax's closed event loop ("RuntimeError: Event loop is
     closed", a traceback per array, as unraisable exceptions) and orbax's abandoned
-    coroutines report themselves (through the asyncio logger); the failure itself is reported once, as a
-    CheckpointError."""
+    coroutines report themselves (through the asyncio logger, or as never awaited);
+    the failure itself is reported once, as a CheckpointError."""
     if not _QUIETED.acquire(blocking=False):
         return
     hook, thread_hook, unraisable_hook = sys.excepthook, threading.excepthook, sys.unraisablehook
@@ -596,5 +597,16 @@ def _quiet_failed_io() -> None:
         return not any(word in str(record.exc_info[1]) or word in repr(record.exc_info[1])
                        for word in ("TensorStore", "DATA_LOSS", "orbax", "Event loop is closed"))
 
+    # the interpreter warns of a coroutine never awaited through this function, whose
+    # argument is the coroutine itself: the writers orbax created but never started
+    # after the failure drop out, anyone else's still warn
+    unawaited = getattr(warnings, "_warn_unawaited_coroutine", None)
+
+    def on_unawaited(coro):
+        if not orbax(coro):
+            unawaited(coro)
+
     sys.excepthook, threading.excepthook, sys.unraisablehook = on_error, on_thread, on_unraisable
     logging.getLogger("asyncio").addFilter(abandoned)
+    if unawaited is not None:
+        warnings._warn_unawaited_coroutine = on_unawaited
