@@ -1,0 +1,167 @@
+"""Interleaved 1F1B in lockstep: the schedule keeps the lockstep rules and holds
+Megatron's warm-up count whatever the micro-batch count, and one SPMD pass over 4
+fake devices gives the sequential model's loss and gradients, with compiled memory
+that does not grow with the micro-batches as GPipe-class schedules' does."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxmoe.ops.vma import vary, varying_axes
+from jaxmoe.parallel import lockstep
+from jaxmoe.parallel.one_f_one_b import device_pass
+
+S, W, PER, ROWS, WIDTH = 4, 2, 2, 16, 32
+
+
+@pytest.mark.parametrize("stages, virtual, micro", [(2, 1, 4), (4, 1, 8), (4, 2, 8), (2, 4, 8),
+                                                    (4, 2, 12), (8, 2, 16)])
+def test_the_schedule_holds_the_warmup_count_at_circular_s_cost(stages, virtual, micro):
+    sch = lockstep.schedule(stages, virtual, micro)
+    assert sch.held == lockstep.warmup_held(stages, virtual) == \
+        (stages - 1) * 2 + (virtual - 1) * stages + 1
+    # each stage skipping what it does not run, a pass costs what one of the circular
+    # schedule's does: W M + S - 1 forward iterations and as many backward
+    assert sch.cost(backward=2.0) == (virtual * micro + stages - 1) * 3
+    # four times the micro-batches, the same held
+    assert lockstep.schedule(stages, virtual, 4 * micro).held == sch.held
+
+
+def test_the_check_catches_a_broken_schedule():
+    sch = lockstep.schedule(4, 2, 8)
+    early = dict(sch.backward)
+    early[(0, 3)] = sch.backward[(0, 4)]  # before chunk 4's cotangent reaches chunk 3
+    with pytest.raises(AssertionError, match="before its cotangent"):
+        lockstep.check(sch._replace(backward=early))
+    with pytest.raises(AssertionError, match="held miscounted"):
+        lockstep.check(sch._replace(held=sch.held - 1))
+    with pytest.raises(lockstep.Deadlock):
+        lockstep.schedule(4, 2, 8, cap=2)  # round 1 waits on inputs round 0 never frees
+
+
+def chunk(w_PxDxD, x_bxD, m, v):
+    """`per` residual tanh layers, and a router-loss-like part of the chunk's own."""
+    def layer(carry, w):
+        x, part = carry
+        h = jnp.tanh(x @ w)
+        return (x + h, part + 0.1 * jnp.mean(h ** 2)), None
+    part = vary(jnp.zeros((), x_bxD.dtype), varying_axes(x_bxD))
+    (y, part), _ = lax.scan(layer, (x_bxD, part), w_PxDxD)
+    return y, part
+
+
+def last_loss(y_bxD, m):
+    return jnp.mean(y_bxD ** 2) / 2
+
+
+def sequential(w_WxSxPxDxD, x_MxbxD, parts: bool = True):
+    total = 0.0
+    for m in range(x_MxbxD.shape[0]):
+        x = x_MxbxD[m]
+        for c in range(W * S):
+            x, part = chunk(w_WxSxPxDxD[c // S, c % S], x, m, c // S)
+            total = total + (part if parts else 0.0)
+        total = total + last_loss(x, m)
+    return total
+
+
+def one_pass(tables, mesh):
+    def device(w_Wx1xPxDxD, x_MxbxD):
+        loss, grads, dinputs = device_pass(tables, chunk, last_loss, w_Wx1xPxDxD[:, 0], x_MxbxD)
+        return lax.psum(loss, "stage"), grads[:, None], lax.psum(dinputs, "stage")
+
+    return jax.jit(jax.shard_map(device, mesh=mesh, in_specs=(P(None, "stage"), P()),
+                                 out_specs=(P(), P(None, "stage"), P()), check_vma=True))
+
+
+def gpipe(mesh, micro: int):
+    """The circular schedule as autodiff runs it (`pipeline.device_pipeline`'s order),
+    each chunk recomputed from its input: it keeps every micro-batch's inputs."""
+    step = jax.checkpoint(lambda w, x: chunk(w, x, 0, 0)[0],
+                          policy=jax.checkpoint_policies.nothing_saveable)
+
+    def device(w_Wx1xPxDxD, x_MxbxD):
+        s = lax.axis_index("stage")
+
+        def iteration(carry, t):
+            inbox, store = carry
+            arrived = t - S
+            filed = jnp.where((s == 0) & (arrived >= 0), inbox, store[arrived % micro])
+            store = lax.dynamic_update_index_in_dim(store, filed, arrived % micro, 0)
+            x = jnp.where(s == 0, store[t % micro], inbox)
+            copy = t - s
+            out = step(w_Wx1xPxDxD[jnp.clip(copy // micro, 0, W - 1), 0], x)
+            kept = jnp.where((s == S - 1) & (copy >= 0) & (copy < W * micro), out,
+                             store[copy % micro])
+            store = lax.dynamic_update_index_in_dim(store, kept, copy % micro, 0)
+            return (lax.ppermute(out, "stage", [(i, (i + 1) % S) for i in range(S)]), store), None
+
+        init = jax.tree.map(lambda a: lax.pcast(a, ("stage",), to="varying"),
+                            (jnp.zeros_like(x_MxbxD[0]), x_MxbxD))
+        (_, store), _ = lax.scan(iteration, init, jnp.arange(W * micro + S - 1))
+        loss = jnp.sum(jax.vmap(last_loss, in_axes=(0, None))(store, 0))
+        return lax.psum(jnp.where(s == S - 1, loss, 0.0), "stage")
+
+    run = jax.shard_map(device, mesh=mesh, in_specs=(P(None, "stage"), P()), out_specs=P(),
+                        check_vma=True)
+    return jax.jit(jax.grad(run, argnums=(0, 1)))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return Mesh(np.array(jax.devices()[:S]), ("stage",))
+
+
+def _inputs(micro: int):
+    key_w, key_x = jax.random.split(jax.random.PRNGKey(0))
+    w = jax.random.normal(key_w, (W, S, PER, WIDTH, WIDTH)) / np.sqrt(WIDTH)
+    return w, jax.random.normal(key_x, (micro, ROWS, WIDTH))
+
+
+def test_a_pass_gives_the_sequential_model_s_loss_and_gradients(mesh):
+    micro = 8
+    w, x = _inputs(micro)
+    tables = lockstep.tables(lockstep.schedule(S, W, micro))
+    loss, grads, dinputs = one_pass(tables, mesh)(w, x)
+    ref_loss, (ref_w, ref_x) = jax.value_and_grad(sequential, argnums=(0, 1))(w, x)
+    # fp32 sums in another order: each entry within a few ulps of the largest in its
+    # tensor times the micro-batches summed
+    for got, ref in ((loss, ref_loss), (grads, ref_w), (dinputs, ref_x)):
+        scale = float(jnp.max(jnp.abs(ref)))
+        np.testing.assert_allclose(got, ref, rtol=0, atol=4 * micro * 2 ** -23 * scale)
+    # companions: the chunks' own parts are in the gradient, and a table that files one
+    # micro-batch's input gradient under another is caught
+    no_parts = jax.grad(sequential)(w, x, parts=False)
+    assert float(jnp.max(jnp.abs(no_parts - ref_w))) > 100 * 4 * micro * 2 ** -23 * \
+        float(jnp.max(jnp.abs(ref_w)))
+    b_micro = tables.b_micro.copy()
+    first = np.argwhere(tables.b_first == 1)[0]
+    b_micro[tuple(first)] = (b_micro[tuple(first)] + 1) % micro
+    _, _, wrong = one_pass(tables._replace(b_micro=b_micro), mesh)(w, x)
+    assert not np.allclose(wrong, ref_x, atol=1e-3)
+
+
+def _temp_bytes(fn, *args) -> int:
+    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_a_pass_s_memory_does_not_grow_with_the_micro_batches(mesh):
+    """A stage holds the warm-up count's chunk inputs whatever M; the circular schedule
+    holds M W. From M = 8 to 24 the pass's temporary memory grows by less than the
+    inputs' gradient it writes (16 more micro-batches' worth), the circular one's by at
+    least the 32 more chunk inputs it keeps."""
+    one = ROWS * WIDTH * 4
+    grown = {}
+    for name in ("1f1b", "gpipe"):
+        sizes = []
+        for micro in (8, 24):
+            w, x = _inputs(micro)
+            fn = (one_pass(lockstep.tables(lockstep.schedule(S, W, micro)), mesh)
+                  if name == "1f1b" else gpipe(mesh, micro))
+            sizes.append(_temp_bytes(fn, w, x))
+        grown[name] = sizes[1] - sizes[0]
+    assert grown["1f1b"] <= 16 * one, grown
+    assert grown["gpipe"] >= 16 * W * one, grown
