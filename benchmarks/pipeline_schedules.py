@@ -99,5 +99,6 @@ def main() -> None:
             line(f"1F1B, {passes} pass{'es' if passes > 1 else ''} of {n}",
                  Priced(r.iterations * passes, r.masked * passes, r.skipped * passes, r.held))
 
+
 if __name__ == "__main__":
     main()

@@ -12,7 +12,8 @@ stage issues its forwards in Megatron's interleaved order (micro-batches in grou
 of S, a group's rounds in turn), while it holds fewer than `cap` chunk inputs, and
 each iteration runs the oldest backward whose cotangent has arrived. With the
 smallest cap that costs nothing, a stage holds (S - 1) 2 + (W - 1) S + 1 chunk
-inputs, whatever the micro-batch count M: Megatron's warm-up count, plus one.
+inputs, whatever the micro-batch count M (a multiple of S where W > 1): Megatron's
+warm-up count, plus one.
 GPipe-class schedules hold all M W (`benchmarks/pipeline_schedules.py` compares
 the two).
 
@@ -65,6 +66,9 @@ def schedule(stages: int, virtual: int, microbatches: int, cap: int | None = Non
     chunks each, holding at most `cap` chunk inputs a stage (by default Megatron's
     warm-up count plus one, capped at M W)."""
     S, W, M = stages, virtual, microbatches
+    if W > 1 and M % S:  # a group's rounds in turn: otherwise a partial group stalls them
+        raise ValueError(f"interleaved 1F1B over {S} stages needs a multiple of {S} "
+                         f"micro-batches, not {M}")
     C = S * W
     cap = min(warmup_held(S, W), M * W) if cap is None else cap
     order = sorted(((m, v) for m in range(M) for v in range(W)),
@@ -72,7 +76,7 @@ def schedule(stages: int, virtual: int, microbatches: int, cap: int | None = Non
     issued = [0] * S
     fwd, bwd = {}, {}
     pending = [[] for _ in range(S)]  # each stage's held inputs: (forward iteration, m, c)
-    held = t = idle = 0
+    held = t = 0
     while len(bwd) < M * C:
         busy = False
         for s in range(S):
@@ -86,16 +90,15 @@ def schedule(stages: int, virtual: int, microbatches: int, cap: int | None = Non
                     busy = True
         held = max([held] + [len(p) for p in pending])
         for s in range(S):
-            ready = [e for e in pending[s]
-                     if (e[2] == C - 1 and e[0] <= t) or bwd.get((e[1], e[2] + 1), t) < t]
+            ready = [(since, m, c) for since, m, c in pending[s]
+                     if (c == C - 1 and since <= t) or bwd.get((m, c + 1), t) < t]
             if ready:
                 oldest = min(ready)
                 bwd[oldest[1:]] = t
                 pending[s].remove(oldest)
                 busy = True
         t += 1
-        idle = 0 if busy else idle + 1
-        if idle > 1:  # nothing ran and nothing is on its way
+        if not busy:  # nothing ran, so nothing is on its way
             raise Deadlock(f"1F1B over {S} stages of {W} chunks, {M} micro-batches, at most "
                            f"{cap} held a stage, deadlocks")
     out = Schedule(S, W, M, fwd, bwd, held)
@@ -184,13 +187,13 @@ def tables(sch: Schedule) -> Tables:
         for m, c in fwd_at.get(t, []):
             s = c % S
             put(t, s, f_on=1, f_micro=m, f_round=c // S, f_first=c == 0, f_last=c == C - 1,
-                f_mail=fmail[s].get((m, c), 0), f_ring=take(ring[s], (m, c), "ring"))
+                f_mail=fmail[s][(m, c)] if c > 0 else 0, f_ring=take(ring[s], (m, c), "ring"))
             if c > 0:
                 freed.append((fmail[s], (m, c)))
         for m, c in bwd_at.get(t, []):
             s = c % S
             put(t, s, b_on=1, b_micro=m, b_round=c // S, b_first=c == 0, b_last=c == C - 1,
-                b_mail=bmail[s].get((m, c), 0), b_ring=ring[s][(m, c)])
+                b_mail=bmail[s][(m, c)] if c < C - 1 else 0, b_ring=ring[s][(m, c)])
             freed.append((ring[s], (m, c)))
             if c < C - 1:
                 freed.append((bmail[s], (m, c)))

@@ -35,26 +35,35 @@ def device_pass(tables: Tables, chunk: Callable, last_loss: Callable, weights_W,
     """Returns (loss, grads_W, dinputs_M) of this stage.
 
     chunk(w, x, m, v) -> (y, part): round v's chunk (weights w, one leaf of each of
-      `weights_W`'s leaves) over micro-batch m's activation x; part is a scalar the
-      chunk adds to the loss.
+      `weights_W`'s leaves) over micro-batch m's activation x, y of x's shape and
+      dtype; part is a scalar the chunk adds to the loss.
     last_loss(y, m) -> scalar: micro-batch m's loss from the model's last output.
     weights_W: this stage's chunks, leaves [W, ...].
     inputs_M: [M, ...] the pass's inputs (the first stage reads them).
 
     loss: this stage's share (its chunks' parts, and on the last stage the micro-
     batches' losses): summed over `axis` it is the pass's. grads_W: its weights'
-    gradient. dinputs_M: the inputs' gradient, on the first stage (zeros elsewhere).
+    gradient, summed in their dtype, and varying over every axis the pass does (the
+    caller reduces it once, as the ddp step does a gradient). dinputs_M: the inputs'
+    gradient, on the first stage (zeros elsewhere).
     """
     s = lax.axis_index(axis)
     S = tables.f_on.shape[1]
     table = {k: jnp.asarray(v) for k, v in tables._asdict().items() if k != "sizes"}
     to_next = [(i, (i + 1) % S) for i in range(S)]
     to_prev = [(i, (i - 1) % S) for i in range(S)]
-    pick = lambda v: jax.tree.map(lambda a: a[v], weights_W)  # noqa: E731
-    # the carry varies over every axis its values may (check_vma holds a scan to it)
+    # The carry varies over every axis its values may (check_vma holds a scan to it).
+    # The weights are cast to vary over them too, once: a weight that did not would
+    # have its cotangent summed over those axes in every backward, not once.
     axes = {axis, *varying_axes(inputs_M)}.union(*map(varying_axes, jax.tree.leaves(weights_W)))
+    weights_W = jax.tree.map(lambda a: vary(a, axes), weights_W)
+    pick = lambda v: jax.tree.map(lambda a: a[v], weights_W)  # noqa: E731
     zero = vary(jnp.zeros_like(inputs_M[0]), axes)
-    axes |= varying_axes(jax.eval_shape(lambda w, x: chunk(w, x, 0, 0)[0], pick(0), zero))
+    y, part = jax.eval_shape(lambda w, x: chunk(w, x, 0, 0), pick(0), zero)
+    last = jax.eval_shape(last_loss, vary(zero, axes | varying_axes(y)), 0)
+    axes |= varying_axes(y) | varying_axes(part) | varying_axes(last)
+    loss_dtype = jnp.result_type(part.dtype, last.dtype)
+    weights_W = jax.tree.map(lambda a: vary(a, axes), weights_W)
     zero = vary(zero, axes)
 
     def put(buf, i, on, value):  # writes buf[i] where `on`, without a select over buf
@@ -88,7 +97,7 @@ def device_pass(tables: Tables, chunk: Callable, last_loss: Callable, weights_W,
                 dw, dx = vjp((ones,) if last else (bmail[r["b_mail"]], ones))
                 grads = jax.tree.map(lambda g, d: g.at[v].add(d.astype(g.dtype)), grads, dw)
                 dinputs = put(dinputs, m, r["b_first"] == 1, dx)
-                return grads, dinputs, loss + out[-1], dx
+                return grads, dinputs, loss + jnp.asarray(out[-1], loss.dtype), dx
             return run
 
         skip = lambda grads, dinputs, loss: (grads, dinputs, loss, zero)  # noqa: E731
@@ -102,8 +111,8 @@ def device_pass(tables: Tables, chunk: Callable, last_loss: Callable, weights_W,
     slots = lambda n: vary(jnp.zeros((max(n, 1),) + zero.shape, zero.dtype), axes)  # noqa: E731
     ring_n, fmail_n, bmail_n = tables.sizes
     carry = (slots(ring_n), slots(fmail_n), slots(bmail_n), zero, zero,
-             jax.tree.map(lambda w: vary(jnp.zeros_like(w), varying_axes(w)), weights_W),
-             vary(jnp.zeros_like(inputs_M), axes), vary(jnp.zeros((), jnp.float32), axes))
+             jax.tree.map(lambda w: vary(jnp.zeros_like(w), axes), weights_W),
+             vary(jnp.zeros_like(inputs_M), axes), vary(jnp.zeros((), loss_dtype), axes))
     carry, _ = lax.scan(iteration, carry, jnp.arange(tables.f_on.shape[0]))
     *_, grads, dinputs, loss = carry
     return loss, grads, dinputs
