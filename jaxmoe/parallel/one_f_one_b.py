@@ -56,14 +56,14 @@ def device_pass(tables: Tables, chunk: Callable, last_loss: Callable, weights_W,
     # The weights are cast to vary over them too, once: a weight that did not would
     # have its cotangent summed over those axes in every backward, not once.
     axes = {axis, *varying_axes(inputs_M)}.union(*map(varying_axes, jax.tree.leaves(weights_W)))
-    weights_W = jax.tree.map(lambda a: vary(a, axes), weights_W)
-    pick = lambda v: jax.tree.map(lambda a: a[v], weights_W)  # noqa: E731
     zero = vary(jnp.zeros_like(inputs_M[0]), axes)
-    y, part = jax.eval_shape(lambda w, x: chunk(w, x, 0, 0), pick(0), zero)
+    y, part = jax.eval_shape(lambda w, x: chunk(w, x, 0, 0),
+                             jax.tree.map(lambda a: a[0], weights_W), zero)
     last = jax.eval_shape(last_loss, vary(zero, axes | varying_axes(y)), 0)
     axes |= varying_axes(y) | varying_axes(part) | varying_axes(last)
     loss_dtype = jnp.result_type(part.dtype, last.dtype)
     weights_W = jax.tree.map(lambda a: vary(a, axes), weights_W)
+    pick = lambda v: jax.tree.map(lambda a: a[v], weights_W)  # noqa: E731
     zero = vary(zero, axes)
 
     def put(buf, i, on, value):  # writes buf[i] where `on`, without a select over buf
