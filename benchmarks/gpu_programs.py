@@ -1,6 +1,7 @@
 """The shipped GPU configs' programs, compiled without a GPU: one row of figures each.
 
     JAX_PLATFORMS=cpu python benchmarks/gpu_programs.py [NAME ... | anchors] [--json FILE]
+        [--set KEY=VALUE ...]
 
 Compiles each train step for its target with XLA:GPU's deviceless compiler
 (`jaxmoe.plan`) and prints, per program: the JAX and tokamax it was built with, the
@@ -86,10 +87,12 @@ def config_digest(path: str, overrides: list[str]) -> str:
     return hashlib.sha256(values.encode()).hexdigest()
 
 
-def figures(name: str) -> dict:
+def figures(name: str, extra: list[str] = ()) -> dict:
+    """extra: config overrides after the program's own (`--set`)."""
     from jaxmoe.plan.planner import plan
 
     config, target, overrides = PROGRAMS[name]
+    overrides = [*overrides, *extra]
     start = time.perf_counter()
     p = plan(str(ROOT / config), overrides, target, target, 0.4)
     roof, expected = p["roofline"], p.get("expected") or {}
@@ -177,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"programs to compile (default: {', '.join(DEFAULT)}; any of "
                              f"{', '.join(PROGRAMS)}; or anchors: every measured run's config)")
     parser.add_argument("--json", help="append each program's figures to this file, a line each")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every program, after its own (repeatable): "
+                             "e.g. --set pipeline.schedule=1f1b --set train.remat=full")
     args = parser.parse_args(argv)
     if args.names == ["anchors"]:
         args.names = [a.config for a in ANCHORS]
@@ -185,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown program(s) {unknown}; choose from {list(PROGRAMS)}")
     rows, expected, figures_seen = [], [], []
     for name in args.names:
-        f = figures(name)
+        f = figures(name, args.set)
         figures_seen.append(f)
         rows.append(row(f))
         expected.append(expected_row(f))

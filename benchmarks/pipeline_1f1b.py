@@ -57,11 +57,13 @@ def sequential(w_WxSxPxDxD, x_MxbxD):
 
 def one_f_one_b(mesh, S: int, W: int, M: int):
     tables = lockstep.tables(lockstep.schedule(S, W, M))
-    last = lambda y, m: micro_loss(y, M)  # noqa: E731
+    first = lambda x_MxbxD, m: (x_MxbxD[m], {})  # noqa: E731
+    last = lambda x_MxbxD, y, m: (micro_loss(y, M), {})  # noqa: E731
 
     def device(w_Wx1xPxDxD, x_MxbxD):
-        loss, grads, dinputs = device_pass(tables, lambda w, x, m, v: (chunk(w, x), 0.0), last,
-                                           w_Wx1xPxDxD[:, 0], x_MxbxD)
+        step = lambda w, x, m, v: (chunk(w, x), 0.0, {})  # noqa: E731
+        loss, grads, dinputs, _ = device_pass(tables, first, step, last, w_Wx1xPxDxD[:, 0],
+                                              x_MxbxD)
         return lax.psum(loss, "stage"), grads[:, None], lax.psum(dinputs, "stage")
 
     run = jax.shard_map(device, mesh=mesh, in_specs=(P(None, "stage"), P()),

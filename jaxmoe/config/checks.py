@@ -257,7 +257,7 @@ def check_across(c: Config) -> None:
     if W > 1:  # circular
         require(c.mesh.stage > 1, "mesh.stage", "virtual stages need an explicit stage count "
                 "above 1")
-        require(M >= c.mesh.stage, "pipeline.stage_microbatches",
+        require(M >= c.mesh.stage or c.pipeline.schedule == "1f1b", "pipeline.stage_microbatches",
                 f"a circular schedule needs at least as many micro-batches as stages "
                 f"({c.mesh.stage})")
     if c.mesh.stage > 1:
@@ -265,6 +265,18 @@ def check_across(c: Config) -> None:
                 f"{c.num_moe_layers} MoE layers cannot fill {c.mesh.stage} stages "
                 f"x {W} virtual stages")
     A = max(t.accumulation_steps, 1)
+    require(c.pipeline.schedule in ("circular", "1f1b"), "pipeline.schedule",
+            f"{c.pipeline.schedule!r} is not one of 'circular', '1f1b'")
+    if c.pipeline.schedule == "1f1b":
+        require(c.mesh.stage > 1, "pipeline.schedule", "1f1b needs pipeline stages (mesh.stage "
+                "above 1)")
+        require(c.mesh.parallelism == "ddp", "pipeline.schedule", "1f1b runs in the ddp step "
+                "(mesh.parallelism: ddp)")
+        require(t.remat == "full", "pipeline.schedule", "1f1b recomputes every chunk from its "
+                f"input in its backward: train.remat must be 'full', not {t.remat!r}")
+        require(W == 1 or A * M % c.mesh.stage == 0, "pipeline.schedule",
+                f"interleaved 1f1b runs a step's micro-batches (accumulation_steps x "
+                f"stage_microbatches = {A * M}) in groups of mesh.stage = {c.mesh.stage}")
     require(M > 0 and (t.batch_size // A) % M == 0, "pipeline.stage_microbatches",
             f"{M} does not divide the batch of one accumulation step, {t.batch_size // A}")
     require(o.warmup_steps < t.steps, "optimizer.warmup_steps",

@@ -71,19 +71,21 @@ RENAMED = {"train.microbatches": _BOTH_MICROBATCHES, "pipeline.microbatches": _B
 LEGACY_VALUES = {"model.qk_norm": {True: "head", False: "none"}}
 
 
-def _retired_schedule(pipeline: dict) -> None:
-    """pipeline.schedule, which only restated virtual_stages: checked and dropped."""
-    value = pipeline.pop("schedule")
+def _schedule_spelling(pipeline: dict) -> None:
+    """pipeline.schedule: "gpipe", as older configs spell the circular schedule of one
+    virtual stage."""
+    if pipeline["schedule"] != "gpipe":
+        return
     W = pipeline.get("virtual_stages", PipelineConfig.virtual_stages)
-    implied = "circular" if isinstance(W, int) and W > 1 else "gpipe"
-    if value != implied:
-        raise ConfigError(f"pipeline.schedule: {value!r} disagrees with virtual_stages={W}, "
-                          f"which means {implied!r}; the key is no longer read (virtual_stages "
-                          "alone picks the schedule): drop it")
+    if W != 1:
+        raise ConfigError(f"pipeline.schedule: 'gpipe' disagrees with virtual_stages={W}, "
+                          "which means 'circular'; GPipe is the circular schedule of one "
+                          "virtual stage")
+    pipeline["schedule"] = "circular"
 
 
-# Keys older configs and checkpoints hold that no longer choose anything.
-RETIRED = {"pipeline.schedule": _retired_schedule}
+# Keys whose values older configs and checkpoints spell another way: made current.
+RESPELLED = {"pipeline.schedule": _schedule_spelling}
 
 
 def current_value(key: str, value: Any) -> Any:
@@ -102,8 +104,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         key = f"{prefix}.{name}" if prefix else name
         if key in RENAMED:
             raise ConfigError(f"{key}: renamed, {RENAMED[key]}")
-        if key in RETIRED:
-            RETIRED[key](raw)
+        if key in RESPELLED:
+            RESPELLED[key](raw)
     unknown = sorted(set(raw) - names)
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]

@@ -189,6 +189,13 @@ class PipelineConfig:
     # chunks of layers per device: 1 is GPipe; 2 or more a circular schedule that
     # visits them round-robin
     virtual_stages: int = 1
+    # "circular": the stages run the step's slices one after another, and autodiff of
+    # the loop gives each slice's backward (GPipe with virtual_stages 1): a stage holds
+    # a slice's M x virtual_stages chunk inputs. "1f1b": every slice's micro-batches in
+    # one pass that runs each chunk's backward as soon as it can (interleaved 1F1B with
+    # virtual_stages above 1): a stage holds a fixed count of chunk inputs, and the
+    # pipeline fills and drains once a step (the ddp step, train.remat: full)
+    schedule: str = "circular"
 
 
 @dataclass(frozen=True)

@@ -269,21 +269,29 @@ class Transformer(nnx.Module):
         """The last block's output [B, L, D] (before the final norm) and aux: the MoE
         layers' router stats, and with QK-clip every layer's heads' largest logits
         [num_layers, H] in model order (`attention.MAX_LOGIT`)."""
-        m = self.model_cfg
         B, L = tokens_BxL.shape
         positions_BxL = layout.positions(B, L)
-        with jax.named_scope("embed"):
-            x = self.embed[...][tokens_BxL].astype(jnp.dtype(m.compute_dtype))
-        x = layout.constrain_batch(x)
-        aux = dense_aux = {}
-        if m.num_dense_layers:
-            x, dense_aux = run_stack(self.dense_layers, x, positions_BxL, layout, None, remat)
-        if m.num_moe_layers:
+        x, dense_aux = self.front(tokens_BxL, layout=layout, remat=remat)
+        aux = {}
+        if self.model_cfg.num_moe_layers:
             x, aux = layout.run_moe_stack(self, x, positions_BxL, key, remat)
         if MAX_LOGIT in dense_aux:  # the dense layers' before the MoE layers'
             moe = [aux[MAX_LOGIT]] if MAX_LOGIT in aux else []
             aux = {**aux, MAX_LOGIT: jnp.concatenate([dense_aux[MAX_LOGIT], *moe])}
         return x, aux
+
+    def front(self, tokens_BxL: jax.Array, *, layout: LocalLayout = LOCAL_LAYOUT,
+              remat: str = "none") -> tuple[jax.Array, dict]:
+        """What runs before the MoE layers: the embedding and the dense layers. Returns
+        x [B, L, D] and the dense layers' aux ({} without them)."""
+        m = self.model_cfg
+        B, L = tokens_BxL.shape
+        with jax.named_scope("embed"):
+            x = self.embed[...][tokens_BxL].astype(jnp.dtype(m.compute_dtype))
+        x = layout.constrain_batch(x)
+        if not m.num_dense_layers:
+            return x, {}
+        return run_stack(self.dense_layers, x, layout.positions(B, L), layout, None, remat)
 
     def mtp_losses(self, h_BxLxD: jax.Array, tokens_BxLn: jax.Array, *,
                    layout: LocalLayout = LOCAL_LAYOUT, key: jax.Array | None = None,

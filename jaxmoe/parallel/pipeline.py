@@ -133,7 +133,7 @@ def _copies(t, s, M: int, W: int):
     return (copy >= 0) & (copy < W * M), copy % M, jnp.clip(copy // M, 0, W - 1)
 
 
-def _per_layer(aux, round_, stage, stack: StageStack, num_layers: int, M: int):
+def per_layer(aux, round_, stage, stack: StageStack, num_layers: int, M: int):
     """Per-iteration aux [T, (S,) per, ...] (stage-batched or one stage's) summed into
     each (round, stage) chunk (or, for a maximum, its largest taken), in model order;
     round_ and stage: [T, (S)]. Balance and z losses are averaged over the M
@@ -192,7 +192,7 @@ def pipeline(stack, x_BxLxD, positions_BxL, layout, key, remat: str, microbatche
     (_, store), (aux, round_TxS) = lax.scan(iteration, init, jnp.arange(W * M + S - 1))
     y_BxLxD = store.swapaxes(0, 1).reshape(B, L, D)  # the store ends holding round W-1's outputs
     stage_TxS = jnp.broadcast_to(stages_S, round_TxS.shape)
-    return y_BxLxD, _per_layer(aux, round_TxS, stage_TxS, layers, num_layers, M)
+    return y_BxLxD, per_layer(aux, round_TxS, stage_TxS, layers, num_layers, M)
 
 
 @jax.named_scope("pipeline")
@@ -271,7 +271,7 @@ def device_pipeline(stack, x_bxLxD, positions_bxL, layout, key, remat: str, micr
         aux, round_T = jax.tree.map(lambda *a: jnp.concatenate(a), *per_round)
     store = carry[1]
     y_bxLxD = store.swapaxes(0, 1).reshape(b, L, D)
-    return y_bxLxD, _per_layer(aux, round_T, jnp.broadcast_to(s, round_T.shape), layers,
+    return y_bxLxD, per_layer(aux, round_T, jnp.broadcast_to(s, round_T.shape), layers,
                                num_layers, M)
 
 

@@ -9,6 +9,7 @@ training capacity (the held-out loss), `score_step` dropless (downstream tasks).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -29,6 +30,7 @@ from jaxmoe.parallel.sharding import BATCH_AXES
 from jaxmoe.step.checks import check_mesh, uses_per_device_step
 from jaxmoe.step.loss import (accumulate_gradients, make_loss_fn, make_score_fn,
                               overflowed_buffers, step_metrics, tokens_after, with_tokens_after)
+from jaxmoe.step.pipelined import pipelined_gradients
 from jaxmoe.step.program import AutoProgram, DeviceProgram, Program, sharded_master
 
 
@@ -104,8 +106,9 @@ def new_buffers(cfg: Config, program: Program, state: TrainState, aux, finite) -
     return jax.tree.map(lambda new, old: jnp.where(finite, new, old), buffers, state.buffers)
 
 
-def make_train_step(cfg: Config, program, loss_fn: Callable, tx, lr_at) -> Callable:
-    """The one train step body, for either program."""
+def make_train_step(cfg: Config, program, gradients: Callable, tx, lr_at) -> Callable:
+    """The one train step body, for either program. gradients(working, buffers, rows,
+    key) -> (grads, loss, ce, aux): `accumulate_gradients`' sums."""
 
     def train_step(state: TrainState, batch_BxL1: jax.Array):
         extra = tokens_after(cfg)
@@ -113,8 +116,7 @@ def make_train_step(cfg: Config, program, loss_fn: Callable, tx, lr_at) -> Calla
                                        with_tokens_after(cfg, batch_BxL1), extra)
         with jax.named_scope("working_copy"):
             working = program.working(state.params)
-        grads, loss, ce, aux = accumulate_gradients(loss_fn, cfg, working, state.buffers, rows,
-                                                    step_key)
+        grads, loss, ce, aux = gradients(working, state.buffers, rows, step_key)
         with jax.named_scope("reduce"):
             grads = program.reduce(grads)
         loss, ce, aux = program.totals(loss, ce, aux)
@@ -195,8 +197,12 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
         zero = jnp.zeros((), jnp.int32)
         return TrainState(zero, params, buffers, tx.init(params), key, zero)
 
-    train_step = make_train_step(cfg, program, make_loss_fn(cfg, graphdef, program.loss_layout),
-                                 tx, lr_at)
+    if cfg.pipeline.schedule == "1f1b":
+        gradients = functools.partial(pipelined_gradients, cfg, graphdef, program.layout)
+    else:
+        gradients = functools.partial(accumulate_gradients,
+                                      make_loss_fn(cfg, graphdef, program.loss_layout), cfg)
+    train_step = make_train_step(cfg, program, gradients, tx, lr_at)
     on_mesh = lambda f: f  # noqa: E731
     if per_device:
         specs = jax.tree.map(lambda s: s.spec, shardings,

@@ -173,7 +173,8 @@ class DeviceProgram(Program):
         whose stages share the work outside the pipeline instead of each doing all of
         it (`StageRowsLayout`); else the device layout."""
         rows = self.cfg.train.batch_size // math.prod(self.mesh.shape[a] for a in BATCH_AXES)
-        if self.stack is None or rows // self.cfg.train.accumulation_steps % self.stack.stages:
+        if (self.stack is None or rows // self.cfg.train.accumulation_steps % self.stack.stages
+                or self.cfg.pipeline.schedule == "1f1b"):  # its first and last chunks do that work
             return self.layout
         return StageRowsLayout(self.layout)
 
@@ -194,8 +195,9 @@ class DeviceProgram(Program):
         compute dtype. With more slices the gradient is complete only after the
         last, and the loop of each would reduce it again."""
         cfg = self.cfg
-        if self.stack is not None and cfg.pipeline.virtual_stages == 1:
-            return False  # GPipe: one round, gathered before it
+        if self.stack is not None and (cfg.pipeline.virtual_stages == 1
+                                       or cfg.pipeline.schedule == "1f1b"):
+            return False  # GPipe (one round) or 1F1B (every round in turn): gathered before
         stacked = 2 if self.stack is not None else 1  # [W, S, per, ...] or [Lm, ...]
         return (in_moe_stack(path) and self.sharded_master
                 and cfg.train.accumulation_steps == 1

@@ -47,8 +47,9 @@ def test_the_two_microbatch_keys_are_refused_naming_their_successors(old):
     assert (cfg.train.accumulation_steps, cfg.pipeline.stage_microbatches) == (2, 2)
 
 
-def test_the_retired_schedule_key_loads_when_it_agrees():
-    """pipeline.schedule only restated virtual_stages; older configs still load."""
+def test_the_schedule_key_and_its_older_spelling():
+    """pipeline.schedule: "circular" (GPipe with one virtual stage, which older configs
+    spell "gpipe") or "1f1b", whose needs are named when a config lacks them."""
     circular = {"mesh": {"data": 2, "stage": 2}, "train": {"batch_size": 8},
                 "pipeline": {"stage_microbatches": 2, "virtual_stages": 2}}
     old = {**circular, "pipeline": {**circular["pipeline"], "schedule": "circular"}}
@@ -57,8 +58,19 @@ def test_the_retired_schedule_key_loads_when_it_agrees():
     with pytest.raises(ConfigError, match="^pipeline.schedule: 'gpipe' disagrees with "
                                           "virtual_stages=2, which means 'circular'"):
         config_from_dict({**circular, "pipeline": {**circular["pipeline"], "schedule": "gpipe"}})
-    with pytest.raises(ConfigError, match="^pipeline.schedule: 'circular' disagrees"):
-        config_from_dict({}, ["pipeline.schedule=circular"])
+    with pytest.raises(ConfigError, match="^pipeline.schedule: 'zb' is not one of"):
+        config_from_dict({}, ["pipeline.schedule=zb"])
+    one_f_one_b = {**circular, "train": {"batch_size": 8, "remat": "full"},
+                   "pipeline": {**circular["pipeline"], "schedule": "1f1b"}}
+    assert config_from_dict(one_f_one_b).pipeline.schedule == "1f1b"
+    for overrides, named in ((["mesh.stage=1", "pipeline.virtual_stages=1"], "needs pipeline "
+                              "stages"),
+                             (["mesh.parallelism=fsdp"], "runs in the ddp step"),
+                             (["train.remat=none"], "train.remat must be 'full', not 'none'"),
+                             (["mesh.stage=4", "mesh.data=1", "pipeline.stage_microbatches=1",
+                               "model.num_layers=9"], "= 1.* in groups of mesh.stage = 4")):
+        with pytest.raises(ConfigError, match=f"^pipeline.schedule: .*{named}"):
+            config_from_dict(one_f_one_b, overrides)
 
 
 def test_yaml_file_errors(tmp_path):

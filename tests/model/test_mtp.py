@@ -118,6 +118,9 @@ def test_the_step_adds_the_weighted_mean_and_logs_each_depth(one_device):
     # recomputed layers, and the head 8 positions at a time (the mask cut with them)
     ({"data": 2, "context": 2, "expert": 2}, "ragged", None, {"remat": "full", "loss_chunk": 8}),
     ({"data": 1, "stage": 2, "expert": 4}, "alltoall", {"stage_microbatches": 2}, None),
+    # 1F1B: the modules run in the last chunk's backward, each micro-batch's own
+    ({"data": 1, "context": 2, "stage": 2, "expert": 2}, "alltoall",
+     {"stage_microbatches": 2, "schedule": "1f1b"}, {"remat": "full"}),
 ])
 def test_trains_as_one_device(one_device, mesh, dispatcher, pipeline, train):
     got = first_step(_cfg(mesh, dispatcher, pipeline=pipeline, train=train))

@@ -133,7 +133,7 @@ CIRCULAR = {"stage_microbatches": 2, "virtual_stages": 2}
 
 
 def _pipeline_and_reference(pipeline, accumulation, dispatcher, dtype="float32", zero1=True,
-                            loss_chunk=0, remat="none", overrides=()):
+                            loss_chunk=0, remat="none", overrides=(), schedule="circular"):
     """The ddp step with pipeline stages on (data 2, stage 2, expert 2), and one
     device running the same model (from the same initial weights, in model order)
     without stages, chunked loss or remat; first-step gradients in model order.
@@ -141,7 +141,7 @@ def _pipeline_and_reference(pipeline, accumulation, dispatcher, dtype="float32",
     cfg = override_config(_cfg({**PIPE, "zero1": zero1}, accumulation, dtype, pipeline,
                                dispatcher=dispatcher),
                           [f"train.loss_chunk={loss_chunk}", f"train.remat={remat}",
-                           *overrides])
+                           f"pipeline.schedule={schedule}", *overrides])
     initial, grads, _, losses, norms = _run(cfg, jax.devices())
     one = override_config(_cfg(None, accumulation, dtype, pipeline={}, dispatcher="dense"),
                           list(overrides))
@@ -163,6 +163,53 @@ def test_ddp_pipeline_step_equals_single_device(pipeline, accumulation, dispatch
     cfg, got, want = _pipeline_and_reference(pipeline, accumulation, dispatcher, zero1=zero1,
                                              loss_chunk=loss_chunk, remat=remat)
     _first_step_matches(got, want)
+
+
+@pytest.mark.parametrize("pipeline, accumulation, dispatcher, overrides", [
+    (GPIPE, 2, "alltoall", []),
+    # interleaved, every router statistic the step reads: QK-clip's logits (the dense
+    # layer's from the first chunk), the router biases' counts
+    (CIRCULAR, 2, "ragged", ["moe.expert_bias=true", "optimizer.qk_clip=50",
+                             "model.qk_norm=none"]),
+])
+def test_ddp_1f1b_step_equals_single_device(pipeline, accumulation, dispatcher, overrides):
+    """`pipeline.schedule: 1f1b` runs both slices' micro-batches in one pass, the
+    embedding and dense layer in the first chunk, the head and loss in the last: the
+    first gradients, losses and norms are one device's, and so are the router
+    biases after the step (from the loads the loop totals)."""
+    cfg, got, want = _pipeline_and_reference(pipeline, accumulation, dispatcher, remat="full",
+                                             schedule="1f1b", overrides=overrides)
+    _first_step_matches(got, want)
+
+
+def _temp_bytes(cfg) -> int:
+    steps = build_steps(cfg, make_mesh(cfg.mesh))
+    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32,
+                                 sharding=steps.batch_sharding)
+    compiled = steps.train_step.lower(abstract_target(steps), batch).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_a_1f1b_step_holds_the_warmup_count_not_the_micro_batches():
+    """From 2 to 8 micro-batches of one row per data x expert device (circular, 2
+    virtual stages, inputs recomputed), the circular step keeps each micro-batch's
+    chunk inputs for both rounds: its temporary memory grows by at least 6 x 2 layer
+    inputs (132 here). The 1F1B step holds the warm-up count's inputs whatever the
+    count, and grows by less than 4 (1.2 here: the rows, and the router statistics of
+    the loop's 12 more iterations)."""
+    activation = 64 * 32 * 4  # one row of 64 positions of width 32 in fp32
+
+    def grown(schedule):
+        sizes = [_temp_bytes(override_config(
+            _cfg(PIPE, 1, pipeline=CIRCULAR, dispatcher="alltoall"),
+            [f"pipeline.stage_microbatches={M}", f"train.batch_size={4 * M}",
+             "train.seq_len=64", "train.remat=full", f"pipeline.schedule={schedule}"]))
+            for M in (2, 8)]
+        return sizes[1] - sizes[0]
+
+    circular, one_f_one_b = grown("circular"), grown("1f1b")
+    assert circular >= 6 * 2 * activation, circular
+    assert one_f_one_b < 4 * activation, one_f_one_b
 
 
 MX_PROJECTIONS = ["model.projection_precision=mxfp8", "model.num_kv_heads=4",
@@ -347,6 +394,27 @@ def test_ddp_pipeline_reduces_gradients_once_per_step():
         assert t["collective-permute"].ops_in_loops > 0  # the stage shift
     for kind in ("all-reduce", "reduce-scatter"):
         assert ddp[2][kind].runs == ddp[8][kind].runs and ddp[2][kind].bytes == ddp[8][kind].bytes
+
+
+def test_ddp_1f1b_reduces_gradients_once_per_step():
+    """The 1F1B pass sums every micro-batch's gradients on its device, the first and
+    last chunks' (embedding, dense layer, head) too: no gradient reduction inside its
+    loop, and as many per step with 8 slices as with 2; activations and cotangents
+    move between stages by collective-permute inside it."""
+    def compiled(A):
+        cfg = override_config(_cfg({**PIPE, "parallelism": "ddp"}, A, dispatcher="alltoall",
+                                   pipeline=CIRCULAR, balance_scope="microbatch"),
+                              ["train.remat=full", "pipeline.schedule=1f1b"])
+        return totals(_step_collectives(cfg))
+
+    ddp = {A: compiled(A) for A in (2, 8)}
+    for t in ddp.values():
+        for kind in ("all-reduce", "reduce-scatter", "all-gather"):
+            assert t[kind].ops_in_loops == 0, (kind, t[kind])
+        assert t["collective-permute"].ops_in_loops >= 2  # both ways
+    for kind in ("all-reduce", "reduce-scatter"):
+        assert ddp[2][kind].runs == ddp[8][kind].runs and ddp[2][kind].bytes == ddp[8][kind].bytes
+        assert ddp[2][kind].runs > 0
 
 
 def test_zero1_shards_gathered_in_the_pipeline_equal_gathered_first(monkeypatch):
