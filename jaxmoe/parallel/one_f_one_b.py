@@ -29,10 +29,26 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxmoe.ops.vma import vary, varying_axes
 from jaxmoe.parallel.lockstep import Tables
+
+
+def branches(tables: Tables) -> dict[str, np.ndarray]:
+    """Which branch each of the pass's conditionals takes at each (iteration, stage):
+    a conditional runs under the named scope `branch_scope(name)`, so that a reader of
+    the compiled program (the planner's walk) can price each iteration by the branches
+    its stages take, where a stage's slowest branch every iteration would overcount."""
+    return {"f_on": tables.f_on, "f_first": tables.f_first,
+            "f_not_last": (tables.f_last == 0).astype(np.int32),
+            # 0 none, 1 a chunk's, 2 the model's last chunk's, 3 its first chunk's
+            "b_kind": tables.b_on * (1 + tables.b_last + 2 * tables.b_first)}
+
+
+def branch_scope(name: str) -> str:
+    return f"lockstep_branch={name}"
 
 
 def device_pass(tables: Tables, first: Callable, chunk: Callable, last: Callable, weights_W,
@@ -56,7 +72,8 @@ def device_pass(tables: Tables, first: Callable, chunk: Callable, last: Callable
     """
     s = lax.axis_index(axis)
     S = tables.f_on.shape[1]
-    table = {k: jnp.asarray(v) for k, v in tables._asdict().items() if k != "sizes"}
+    table = {k: jnp.asarray(v) for k, v in {**tables._asdict(), **branches(tables)}.items()
+             if k != "sizes"}
     to_next = [(i, (i + 1) % S) for i in range(S)]
     to_prev = [(i, (i - 1) % S) for i in range(S)]
     # The carry varies over every axis its values may (check_vma holds a scan to it).
@@ -91,15 +108,17 @@ def device_pass(tables: Tables, first: Callable, chunk: Callable, last: Callable
         bmail = put(bmail, r["in_b_slot"], r["in_b"] == 1, inbox_b)
 
         def forward(ring):
-            x = lax.cond(r["f_first"] == 1, lambda: varied(first(outer, r["f_micro"])[0]),
-                         lambda: fmail[r["f_mail"]])
+            with jax.named_scope(branch_scope("f_first")):
+                x = lax.cond(r["f_first"] == 1, lambda: varied(first(outer, r["f_micro"])[0]),
+                             lambda: fmail[r["f_mail"]])
             ring = lax.dynamic_update_index_in_dim(ring, x, r["f_ring"], 0)
-            y = lax.cond(r["f_last"] == 1, lambda: zero,  # its backward computes it
-                         lambda: varied(chunk(pick(r["f_round"]), x, r["f_micro"],
-                                              r["f_round"])[0]))
+            with jax.named_scope(branch_scope("f_not_last")):  # the last's backward computes it
+                y = lax.cond(r["f_last"] == 0, lambda: varied(chunk(
+                    pick(r["f_round"]), x, r["f_micro"], r["f_round"])[0]), lambda: zero)
             return ring, y
 
-        ring, out_f = lax.cond(r["f_on"] == 1, forward, lambda ring: (ring, zero), ring)
+        with jax.named_scope(branch_scope("f_on")):
+            ring, out_f = lax.cond(r["f_on"] == 1, forward, lambda ring: (ring, zero), ring)
 
         def backward(kind: str):  # "chunk", "last" (the model's last) or "first"
             def run(grads, grads_outer, loss):
@@ -131,11 +150,10 @@ def device_pass(tables: Tables, first: Callable, chunk: Callable, last: Callable
         def skip(grads, grads_outer, loss):
             return grads, grads_outer, loss, zero, no_stats
 
-        # 0 none, 1 a chunk's, 2 the model's last chunk's, 3 its first chunk's
-        kind = r["b_on"] * (1 + r["b_last"] + 2 * r["b_first"])
-        grads, grads_outer, loss, out_b, stats = lax.switch(
-            kind, [skip, backward("chunk"), backward("last"), backward("first")],
-            grads, grads_outer, loss)
+        with jax.named_scope(branch_scope("b_kind")):
+            grads, grads_outer, loss, out_b, stats = lax.switch(
+                r["b_kind"], [skip, backward("chunk"), backward("last"), backward("first")],
+                grads, grads_outer, loss)
         carry = (ring, fmail, bmail, lax.ppermute(out_f, axis, to_next),
                  lax.ppermute(out_b, axis, to_prev), grads, grads_outer, loss)
         return carry, stats

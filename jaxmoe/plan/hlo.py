@@ -104,6 +104,7 @@ class Program:
         self.by_name: dict[str, Instruction] = {}
         # caller -> [(trips, is_loop, callee)]
         self.calls: dict[str, list[tuple[int, bool, str]]] = defaultdict(list)
+        self._reached: dict[str, set[str]] = {}  # `reached`, computed once each
         self.entry = None
         self.loops_without_trip_count: list[str] = []  # counted as one trip each
         # the share of a grouped GEMM's rows that routing fills, which the program cannot
@@ -190,6 +191,19 @@ class Program:
         if self.entry:
             visit(self.entry)
         return post[::-1]
+
+    def reached(self, computation: str) -> set[str]:
+        """The computations a run of `computation` may run: itself and its callees',
+        loop bodies and branches included."""
+        if computation not in self._reached:
+            seen, todo = {computation}, [computation]
+            while todo:
+                for _, _, callee in self.calls[todo.pop()]:
+                    if callee not in seen:
+                        seen.add(callee)
+                        todo.append(callee)
+            self._reached[computation] = seen
+        return self._reached[computation]
 
     @cached_property
     def runs(self) -> dict[str, int]:

@@ -224,6 +224,7 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     from jaxmoe.plan.hlo import Program
     from jaxmoe.plan.collectives import collectives, totals
     from jaxmoe.parallel.pipeline import bubble_fraction
+    from jaxmoe.step.pipelined import step_branches, total_microbatches
     from jaxmoe.plan.program_flops import program_flops
     from jaxmoe.plan.roofline import (Link, hosts, quantisation_cost, roofline, summary,
                                       xla_recomputation)
@@ -263,9 +264,10 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     flops = program_flops(program)
     routed = routed_expert_flops(cfg)
     S, pipe = mesh.shape["stage"], cfg.pipeline
-    # SPMD stages compute in every iteration, bubble included: (V M + S - 1) / (V M)
-    through_bubble = 1.0 / (1.0 - bubble_fraction(S, pipe.stage_microbatches,
-                                                  pipe.virtual_stages)) if S > 1 else 1.0
+    # SPMD stages compute in every iteration, bubble included: (V M + S - 1) / (V M),
+    # M a pass's micro-batches (1F1B: every slice's)
+    M = total_microbatches(cfg) if pipe.schedule == "1f1b" else pipe.stage_microbatches
+    through_bubble = 1.0 / (1.0 - bubble_fraction(S, M, pipe.virtual_stages)) if S > 1 else 1.0
     t = cfg.train
     tokens = t.batch_size * t.seq_len
     model_flops = flops_per_token(cfg) * tokens / n
@@ -277,7 +279,9 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     if target != "cpu":  # XLA:CPU's program is not the one a GPU would run
         host = hosts(mesh)
         link, measured = Link.of(datasheet), Link.of(datasheet, expected=True)
-        walks = roofline(program, link, host), roofline(program, measured, host)
+        lockstep = step_branches(cfg, S)  # a 1F1B pass's stages, each its own branches
+        walks = (roofline(program, link, host, lockstep),
+                 roofline(program, measured, host, lockstep))
         roof, expected = (summary(w, model_flops, tokens / n, link) for w in walks)
         for walk, w in zip((roof, expected), walks):
             walk["quantisation"] = quantisation_cost(program, w)
@@ -607,7 +611,7 @@ def _search(cfg, args, sizes: list[int]) -> int:
                   f"{list(CHOICES)}", file=sys.stderr)
             return 2
         parts = [v.strip() for v in values.split(",") if v.strip()]
-        if key not in ("remat", "dispatcher"):
+        if key not in ("remat", "dispatcher", "schedule"):
             if not all(v.isdigit() and int(v) > 0 for v in parts):
                 print(f"error: --only {item!r}: {key} takes positive whole numbers",
                       file=sys.stderr)

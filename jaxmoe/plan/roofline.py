@@ -28,7 +28,9 @@ the GPU runs it, one kernel after another on one compute stream:
   asynchronous one runs on a copy stream of its own, overlapping the kernels
   until its done as an asynchronous collective does;
 - loops run their body once per trip (`known_trip_count`), conditionals their
-  slowest branch.
+  slowest branch; but a loop whose conditionals say which table drives them (the
+  1F1B pass's, `one_f_one_b.branches`) runs trip by trip, each stage its own
+  branches, every trip as long as its slowest stage's (the stages are in lockstep).
 
 At the datasheet's peaks this is a bound. With `Link.rates` (`jaxmoe.plan.rates`)
 the same walk prices each kernel and collective at the fraction of its peak that
@@ -46,6 +48,8 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from jaxmoe.plan.hlo import Instruction, Program, arrays, nbytes
 from jaxmoe.plan.collectives import KINDS, replica_groups, sent_bytes
@@ -369,9 +373,12 @@ def hosts(mesh) -> list[int] | None:
     return host if len(set(host)) > 1 else None
 
 
-def roofline(program: Program | str, link: Link, host: list[int] | None = None) -> Roofline:
+def roofline(program: Program | str, link: Link, host: list[int] | None = None,
+             branches: dict[str, np.ndarray] | None = None) -> Roofline:
     """The predicted step of `program` on a device with `link`'s figures; `host`: each
-    device's host, in the program's device order (None: one host)."""
+    device's host, in the program's device order (None: one host). branches: the
+    branch each stage's conditionals of a lockstep loop take, by table name, [trip,
+    stage] (`jaxmoe.parallel.one_f_one_b.branches`)."""
     program = program if isinstance(program, Program) else Program(program)
     out = Roofline()
     costs: dict[str, tuple[str, float, bool]] = {}  # instruction -> (kind, seconds, async)
@@ -405,25 +412,33 @@ def roofline(program: Program | str, link: Link, host: list[int] | None = None) 
                                                  scope_of(inst.op_name), seconds, asynchronous,
                                                  runs))
 
-    def run(comp: str, s: _Stream, weight: float):
+    def run(comp: str, s: _Stream, weight: float, pick: tuple[int, int] | None = None):
         """Advance the streams through one run of `comp`; `weight`: its runs per step
-        per run simulated (exposure is booked per step)."""
+        per run simulated (exposure is booked per step). pick: (trip, stage) of a
+        lockstep loop, whose tables choose its conditionals' branches."""
         for inst in program.computations[comp]:
             if inst.op == "while":
-                loop(_attr(inst, "body"), _attr(inst, "condition"), inst.trip_count or 1, s,
-                     weight)
+                body = _attr(inst, "body")
+                if branches and body in lockstep_bodies:
+                    lockstep_loop(body, _attr(inst, "condition"), inst.trip_count or 1, s,
+                                  weight)
+                else:
+                    loop(body, _attr(inst, "condition"), inst.trip_count or 1, s, weight)
             elif inst.op == "conditional":
-                branches = _branches(inst)
+                table = _branch_table(inst)
+                if pick is not None and table in branches:
+                    run(_branches(inst)[int(branches[table][pick])], s, weight, pick)
+                    continue
                 ends = []
-                for b in branches:
+                for b in _branches(inst):
                     t = _copy(s)
-                    run(b, t, weight)
+                    run(b, t, weight, pick)
                     ends.append(t)
                 slowest = max(ends, key=lambda t: t.clock)
                 s.clock, s.comm, s.host, s.pending = (slowest.clock, slowest.comm, slowest.host,
                                                       slowest.pending)
             elif inst.op == "call":
-                run(inst.callee, s, weight)
+                run(inst.callee, s, weight, pick)
             elif inst.op.endswith("-done"):
                 start = inst.operands[0] if inst.operands else ""
                 if start in s.pending:
@@ -478,6 +493,34 @@ def roofline(program: Program | str, link: Link, host: list[int] | None = None) 
                 s.host += period * (trips - 2)
         run(condition, s, weight)
 
+    def lockstep_loop(body: str, condition: str, trips: int, s: _Stream, weight: float):
+        stages = next(iter(branches.values())).shape[1]
+        if trips != next(iter(branches.values())).shape[0]:
+            raise ValueError(f"a lockstep loop of {trips} trips, tables of "
+                             f"{next(iter(branches.values())).shape[0]}")
+        for t in range(trips):  # each trip ends when its slowest stage's does
+            ends = []
+            for stage in range(stages):  # each stage's exposure counts 1 / stages
+                c = _copy(s)
+                run(condition, c, weight / stages)
+                run(body, c, weight / stages, (t, stage))
+                ends.append(c)
+            slowest = max(ends, key=lambda c: c.clock)
+            s.clock, s.comm, s.host, s.pending = (slowest.clock, slowest.comm, slowest.host,
+                                                  slowest.pending)
+        run(condition, s, weight)
+
+    # the loops whose conditionals follow the tables: the innermost that reach one
+    lockstep_bodies = set()
+    if branches:
+        bodies = {_attr(i, "body") for insts in program.computations.values() for i in insts
+                  if i.op == "while"}
+        lockstep_bodies = {b for b in bodies if any(
+            _branch_table(i) in branches for c in program.reached(b)
+            for i in program.computations[c] if i.op == "conditional")}
+        lockstep_bodies = {b for b in lockstep_bodies
+                           if not any(o != b and o in program.reached(b) for o in lockstep_bodies)}
+
     stream = _Stream()
     run(program.entry, stream, 1.0)
     out.step_s = max(stream.clock, stream.comm, stream.host)
@@ -500,6 +543,12 @@ def _branches(inst: Instruction) -> list[str]:
     if m:
         return re.findall(r"%([\w.\-]+)", m.group(1))
     return [_attr(inst, "true_computation"), _attr(inst, "false_computation")]
+
+
+def _branch_table(inst: Instruction) -> str | None:
+    """The table a conditional's branch follows (`one_f_one_b.branch_scope`), if any."""
+    m = re.search(r"lockstep_branch=(\w+)/(?:cond|switch)$", inst.op_name)
+    return m.group(1) if m else None
 
 
 def _copy(s: _Stream) -> _Stream:

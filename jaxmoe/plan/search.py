@@ -2,8 +2,8 @@
 
 For a config, a device count and a GPU, every layout jaxmoe can run is a
 candidate: the mesh (data x stage x expert x context over the devices), the
-pipeline's micro-batches and virtual stages where there are stages, what each
-layer keeps for its backward (`train.remat`) and the expert dispatcher. A
+pipeline's micro-batches, virtual stages and schedule where there are stages, what
+each layer keeps for its backward (`train.remat`) and the expert dispatcher. A
 candidate the config's own checks refuse is dropped, with the first reason
 counted; one whose weights, gradients and optimizer state alone exceed the GPU's
 memory (`static_bytes`, a lower bound from the parameter counts: no compile) is
@@ -52,6 +52,7 @@ class Candidate:
     remat: str
     dispatcher: str
     accumulation_steps: int = 1
+    schedule: str = "circular"
 
     def overrides(self) -> list[str]:
         return [f"mesh.data={self.data}", f"mesh.stage={self.stage}",
@@ -59,19 +60,20 @@ class Candidate:
                 f"pipeline.stage_microbatches={self.stage_microbatches}",
                 f"pipeline.virtual_stages={self.virtual_stages}", f"train.remat={self.remat}",
                 f"moe.dispatcher={self.dispatcher}",
-                f"train.accumulation_steps={self.accumulation_steps}"]
+                f"train.accumulation_steps={self.accumulation_steps}",
+                f"pipeline.schedule={self.schedule}"]
 
     def __str__(self) -> str:
         mesh = " x ".join(f"{a} {getattr(self, a)}" for a in MESH_AXES if getattr(self, a) > 1)
         pipe = (f", {self.stage_microbatches} micro-batches x {self.virtual_stages} virtual"
-                if self.stage > 1 else "")
+                + (", 1F1B" if self.schedule == "1f1b" else "") if self.stage > 1 else "")
         slices = f", {self.accumulation_steps} slices" if self.accumulation_steps > 1 else ""
         return f"{mesh or 'data 1'}{pipe}{slices}, remat {self.remat}, {self.dispatcher}"
 
 
 # what `only` may narrow, and the Candidate field each names
 CHOICES = ("data", "stage", "expert", "context", "stage_microbatches", "virtual_stages",
-           "remat", "dispatcher")
+           "schedule", "remat", "dispatcher")
 
 
 @dataclass
@@ -104,6 +106,7 @@ def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
                dispatchers: tuple[str, ...] | None = None,
                stage_microbatches: tuple[int, ...] = (1, 2, 4, 8),
                virtual_stages: tuple[int, ...] = (1, 2, 4),
+               schedules: tuple[str, ...] = ("circular", "1f1b"),
                micro_batch: int | None = None,
                only: dict[str, tuple] | None = None,
                ) -> tuple[list[tuple[Candidate, Config]], Counter]:
@@ -111,7 +114,8 @@ def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
     and how many were refused, by the first words of the reason. Mesh axes not in
     `axes` stay 1; `only` keeps the meshes whose axes take one of the sizes given, and
     replaces the lists of remat policies, dispatchers (where there is an expert axis)
-    and pipeline micro-batches and virtual stages (where there are stages);
+    and pipeline micro-batches, virtual stages and schedules (where there are stages;
+    1F1B only with `full`, as its checks say);
     `micro_batch`: sequences per GPU per pass, held by each candidate's accumulation
     slices (else the config's slices are kept)."""
     only = only or {}
@@ -124,6 +128,7 @@ def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
     dispatchers = tuple(only.get("dispatcher", dispatchers))
     stage_microbatches = tuple(only.get("stage_microbatches", stage_microbatches))
     virtual_stages = tuple(only.get("virtual_stages", virtual_stages))
+    schedules = tuple(only.get("schedule", schedules))
     out, refused = [], Counter()
     for sizes in _factorisations(devices, 4):
         data, stage, expert, context = sizes
@@ -132,8 +137,12 @@ def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
             continue
         if any(n not in only.get(a, (n,)) for a, n in named.items()):
             continue
-        pipes = itertools.product(stage_microbatches, virtual_stages) if stage > 1 else [(1, 1)]
-        for (micro, virtual), remat, dispatcher in itertools.product(pipes, remats, dispatchers):
+        pipes = (itertools.product(stage_microbatches, virtual_stages, schedules) if stage > 1
+                 else [(1, 1, "circular")])
+        for (micro, virtual, schedule), remat, dispatcher in itertools.product(pipes, remats,
+                                                                                dispatchers):
+            if schedule == "1f1b" and remat != "full":
+                continue  # 1F1B recomputes every chunk from its input: `full` is its one
             if expert == 1 and dispatcher != dispatchers[0]:
                 continue  # without an expert axis the dispatchers are one program
             slices = cfg.train.accumulation_steps
@@ -144,7 +153,7 @@ def candidates(cfg: Config, devices: int, axes: tuple[str, ...] = MESH_AXES,
                     refused["train.accumulation_steps"] += 1
                     continue
             c = Candidate(data, stage, expert, context, micro, virtual, remat,
-                          dispatcher if expert > 1 else cfg.moe.dispatcher, slices)
+                          dispatcher if expert > 1 else cfg.moe.dispatcher, slices, schedule)
             try:
                 out.append((c, override_config(cfg, c.overrides())))
             except ConfigError as e:
@@ -188,14 +197,16 @@ def evaluate(cfg: Config, target: str) -> dict:
     from jaxmoe.plan.planner import compile_train_step, peak_bytes, routed_share
     from jaxmoe.plan.roofline import Link, hosts, roofline, xla_recomputation
     from jaxmoe.plan.targets import get_target
+    from jaxmoe.step.pipelined import step_branches
 
     compiled, steps, _ = compile_train_step(cfg, target)
     program = Program(compiled.as_text())
     program.routed_share = routed_share(cfg)
     host, gpu = hosts(steps.mesh), get_target(target)
-    expected = roofline(program, Link.of(gpu, expected=True), host)
+    lockstep = step_branches(cfg, steps.mesh.shape["stage"])
+    expected = roofline(program, Link.of(gpu, expected=True), host, lockstep)
     return {"peak": peak_bytes(compiled.memory_analysis()), "expected": expected.step_s,
-            "bound": roofline(program, Link.of(gpu), host).step_s,
+            "bound": roofline(program, Link.of(gpu), host, lockstep).step_s,
             "xla_recomputed": xla_recomputation(expected)["seconds"]}
 
 

@@ -29,7 +29,7 @@ from jaxmoe.model.moe import MEAN_STATS
 from jaxmoe.model.mx_weights import mx_copies, with_mx_copies
 from jaxmoe.model.transformer import scan_layers
 from jaxmoe.parallel import lockstep
-from jaxmoe.parallel.one_f_one_b import device_pass
+from jaxmoe.parallel.one_f_one_b import branches, device_pass
 from jaxmoe.parallel.pipeline import per_layer
 from jaxmoe.step.loss import tokens_after
 from jaxmoe.step.program import cast_matrices
@@ -40,6 +40,20 @@ STACK = "moe_layers"  # the pipeline's part of the parameters; the rest is `oute
 def total_microbatches(cfg: Config) -> int:
     """The micro-batches of one pass: every accumulation slice's."""
     return cfg.train.accumulation_steps * cfg.pipeline.stage_microbatches
+
+
+def lockstep_tables(cfg: Config, stages: int) -> lockstep.Tables:
+    """The pass's tables on `stages` stages."""
+    return lockstep.tables(lockstep.schedule(stages, cfg.pipeline.virtual_stages,
+                                             total_microbatches(cfg)))
+
+
+def step_branches(cfg: Config, stages: int) -> dict | None:
+    """Which branches a 1F1B step's conditionals take, per (iteration, stage), for the
+    planner's walk (`one_f_one_b.branches`); None for other schedules."""
+    if cfg.pipeline.schedule != "1f1b" or stages == 1:
+        return None
+    return branches(lockstep_tables(cfg, stages))
 
 
 def pipelined_gradients(cfg: Config, graphdef: nnx.GraphDef, layout, params, buffers,
@@ -106,8 +120,7 @@ def pipelined_gradients(cfg: Config, graphdef: nnx.GraphDef, layout, params, buf
             stats |= {"mtp_ce": mtp_ce, "mtp_aux": mtp_aux}
         return loss, stats
 
-    S, W = stack.stages, stack.virtual
-    tables = lockstep.tables(lockstep.schedule(S, W, K))
+    tables = lockstep_tables(cfg, stack.stages)
     # summed in `train.grad_accum_dtype` (matrices) over slices, as accumulate_gradients
     dtype = jnp.dtype(t.grad_accum_dtype if A > 1 else "float32")
     sums = cast_matrices(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),

@@ -203,3 +203,22 @@ def test_a_pass_s_memory_does_not_grow_with_the_micro_batches(mesh):
         grown[name] = sizes[1] - sizes[0]
     assert grown["1f1b"] <= 4 * input_bytes, grown
     assert grown["circular"] >= 16 * W * input_bytes, grown
+
+
+def test_the_pass_s_conditionals_name_the_tables_they_follow(mesh):
+    """Every conditional of the compiled pass names its table (`branch_scope`), so the
+    planner's walk prices each iteration by the branches its stages take: below its
+    price at every conditional's slowest branch, which would run the first, a middle
+    and the last chunk's work in every iteration."""
+    from jaxmoe.parallel.one_f_one_b import branches
+    from jaxmoe.plan.hlo import Program
+    from jaxmoe.plan.roofline import Link, _branch_table, roofline
+
+    tables = lockstep.tables(lockstep.schedule(S, W, 8))
+    program = Program(one_pass(tables, mesh).lower(*_inputs(8)).compile().as_text())
+    named = [_branch_table(i) for insts in program.computations.values() for i in insts
+             if i.op == "conditional"]
+    assert named and set(named) <= set(branches(tables)), named
+    link = Link(bf16_flops=1e11, fp8_flops=2e11, hbm=1e9, scale_up=1e9, scale_out=1e8)
+    lockstep_s = roofline(program, link, branches=branches(tables)).step_s
+    assert 0 < lockstep_s < 0.9 * roofline(program, link).step_s

@@ -3,6 +3,7 @@ times (a memory-bound kernel, a compute-bound GEMM, a sliced operand, an in-plac
 update, a loop, an asynchronous collective with work in its window and a synchronous
 one), in XLA:GPU's text form, on a device with round figures."""
 
+import numpy as np
 import pytest
 
 from jaxmoe.plan.hlo import Program
@@ -359,3 +360,59 @@ def test_the_plan_prints_what_xla_recomputes_only_where_it_does(capsys):
     print_roofline({**walk, "xla_recomputed": {"kernels": 0, "runs": 0, "bytes": 0.0,
                                                "seconds": 0.0}}, expected=True)
     assert "XLA recomputes" not in capsys.readouterr().out
+
+
+LOCKSTEP_HLO = """HloModule jit_pass, num_partitions=2
+
+%fused_cast (p0: f32[1024,256]) -> bf16[1024,256] {
+  %p0 = f32[1024,256]{1,0} parameter(0)
+  ROOT %c = bf16[1024,256]{1,0} convert(%p0)
+}
+
+%idle (i0: f32[1024,256]) -> f32[1024,256] {
+  ROOT %i0 = f32[1024,256]{1,0} parameter(0)
+}
+
+%work (w0: f32[1024,256]) -> f32[1024,256] {
+  %w0 = f32[1024,256]{1,0} parameter(0)
+  %cast.2 = bf16[1024,256]{1,0} fusion(%w0), kind=kLoop, calls=%fused_cast
+  ROOT %back = f32[1024,256]{1,0} convert(%cast.2)
+}
+
+%body (b: (s32[], f32[1024,256])) -> (s32[], f32[1024,256]) {
+  %b = (s32[], f32[1024,256]) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %v = f32[1024,256]{1,0} get-tuple-element(%b), index=1
+  %op = f32[1024,256]{1,0} conditional(%i, %v, %v), branch_computations={%idle, %work}, metadata={op_name="jit(pass)/while/body/lockstep_branch=b_kind/cond"}
+  ROOT %t = (s32[], f32[1024,256]) tuple(%i, %op)
+}
+
+%cond (c: (s32[], f32[1024,256])) -> pred[] {
+  %c = (s32[], f32[1024,256]) parameter(0)
+  ROOT %true = pred[] constant(true)
+}
+
+ENTRY %main (y: f32[1024,256]) -> (s32[], f32[1024,256]) {
+  %y = f32[1024,256]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %t0 = (s32[], f32[1024,256]) tuple(%zero, %y)
+  ROOT %loop = (s32[], f32[1024,256]) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_a_lockstep_loop_takes_each_trip_at_its_slowest_stage():
+    """A 1F1B pass's conditionals follow tables (`one_f_one_b.branches`): over 3 trips,
+    stage 0 works in trip 0 and stage 1 in trip 1, so the loop takes 2 trips' work (each
+    trip as long as its slowest stage), where the slowest branch in every trip would be
+    3 and either stage's own work 1. A conditional without tables stays at its slowest
+    branch."""
+    program = Program(LOCKSTEP_HLO)
+    work = roofline(program, LINK).step_s / 3  # every trip its slowest branch
+    assert work > 0
+    tables = {"b_kind": np.array([[1, 0], [0, 1], [0, 0]])}  # [trip, stage]
+    assert roofline(program, LINK, branches=tables).step_s == pytest.approx(2 * work, rel=1e-9)
+    assert roofline(program, LINK, branches={"other": tables["b_kind"]}).step_s == \
+        pytest.approx(3 * work, rel=1e-9)
+    with pytest.raises(ValueError, match="3 trips, tables of 2"):
+        roofline(program, LINK, branches={"b_kind": tables["b_kind"][:2]})

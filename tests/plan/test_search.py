@@ -15,7 +15,7 @@ RAW = {"model": {"d_model": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads":
        "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 64},
        "train": {"batch_size": 16, "seq_len": 64}}
 ONE_PIPE = {"remats": ("full",), "dispatchers": ("alltoall",), "stage_microbatches": (2,),
-            "virtual_stages": (1,)}
+            "virtual_stages": (1,), "schedules": ("circular",)}
 
 
 def test_candidates_are_every_layout_the_config_accepts():
@@ -71,9 +71,13 @@ def test_only_narrows_each_choice():
     assert {c.remat for c, _ in every} == set(S.REMATS) == {"none", *REMAT_POLICIES}
     # the pipeline's lists where there are stages (stage 1 runs one micro-batch)
     piped, _ = S.candidates(cfg, 8, axes=("data", "stage"), only={
-        "stage": (2,), "stage_microbatches": (4,), "virtual_stages": (2,), "remat": ("full",)})
-    assert [(c.data, c.stage, c.stage_microbatches, c.virtual_stages) for c, _ in piped] == [
-        (4, 2, 4, 2)]
+        "stage": (2,), "stage_microbatches": (4,), "virtual_stages": (2,),
+        "remat": ("full", "save_attention")})
+    assert sorted((c.data, c.stage, c.stage_microbatches, c.virtual_stages, c.schedule,
+                   c.remat) for c, _ in piped) == [
+        (4, 2, 4, 2, "1f1b", "full"), (4, 2, 4, 2, "circular", "full"),
+        (4, 2, 4, 2, "circular", "save_attention")]  # 1F1B recomputes every chunk
+    assert {config.pipeline.schedule for c, config in piped} == {"circular", "1f1b"}
     with pytest.raises(ValueError, match="not layout choices"):
         S.candidates(cfg, 8, only={"experts": (8,)})
 
