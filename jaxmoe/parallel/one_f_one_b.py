@@ -40,9 +40,11 @@ def branches(tables: Tables) -> dict[str, np.ndarray]:
     """Which branch each of the pass's conditionals takes at each (iteration, stage):
     a conditional runs under the named scope `branch_scope(name)`, so that a reader of
     the compiled program (the planner's walk) can price each iteration by the branches
-    its stages take, where a stage's slowest branch every iteration would overcount."""
-    return {"f_on": tables.f_on, "f_first": tables.f_first,
-            "f_not_last": (tables.f_last == 0).astype(np.int32),
+    its stages take, where a stage's slowest branch every iteration would overcount.
+    -1 where the conditional does not run (those inside a forward, where none runs)."""
+    inside_forward = lambda a: np.where(tables.f_on == 1, a, -1).astype(np.int32)  # noqa: E731
+    return {"f_on": tables.f_on, "f_first": inside_forward(tables.f_first),
+            "f_not_last": inside_forward(tables.f_last == 0),
             # 0 none, 1 a chunk's, 2 the model's last chunk's, 3 its first chunk's
             "b_kind": tables.b_on * (1 + tables.b_last + 2 * tables.b_first)}
 

@@ -91,10 +91,22 @@ def _split_operands(rest: str) -> tuple[tuple[str, ...], str]:
     return tuple(re.findall(r"%([\w.\-]+)", rest[:end])), rest[end + 1:]
 
 
+def branch_table(inst: Instruction) -> str | None:
+    """The table a conditional's branch follows (`one_f_one_b.branch_scope`), if any."""
+    m = re.search(r"lockstep_branch=(\w+)/(?:cond|switch)$", inst.op_name)
+    return m.group(1) if m else None
+
+
 class Program:
     """The instructions and call graph of one HLO module's text."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, branches: dict | None = None):
+        """branches: the branch each stage's conditionals of a lockstep loop take, by
+        table name, [trip, stage] (-1 where one does not run;
+        `jaxmoe.parallel.one_f_one_b.branches`). A conditional that names its table
+        then runs each branch in the share of its runs the table gives it (the mean
+        over stages), where without one each branch counts in every run."""
+        self.branches = branches or {}
         header = text.split("\n", 1)[0]
         partitions = re.search(r"num_partitions=(\d+)", header)
         replicas = re.search(r"replica_count=(\d+)", header)
@@ -144,8 +156,10 @@ class Program:
                 self.calls[current].append((1, False, callee))
             branches = re.search(r"branch_computations=\{([^}]*)\}", attrs)
             if branches:
-                for callee in re.findall(r"%([\w.\-]+)", branches.group(1)):
-                    self.calls[current].append((1, False, callee))
+                callees = re.findall(r"%([\w.\-]+)", branches.group(1))
+                shares = self._shares(inst, len(callees))
+                for callee, share in zip(callees, shares):
+                    self.calls[current].append((share, False, callee))
 
     @cached_property
     def users(self) -> dict[str, list[Instruction]]:
@@ -191,6 +205,14 @@ class Program:
         if self.entry:
             visit(self.entry)
         return post[::-1]
+
+    def _shares(self, inst: Instruction, n: int) -> list[float]:
+        """How often each of a conditional's n branches runs per run of it."""
+        table = self.branches.get(branch_table(inst))
+        if table is None:
+            return [1] * n
+        ran = table[table >= 0]
+        return [float((ran == i).sum()) / max(ran.size, 1) for i in range(n)]
 
     def reached(self, computation: str) -> set[str]:
         """The computations a run of `computation` may run: itself and its callees',

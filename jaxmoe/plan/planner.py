@@ -245,7 +245,8 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
         buffers = largest_buffers(dump)
     mesh = steps.mesh
     mem = compiled.memory_analysis()
-    program = Program(compiled.as_text())
+    # a 1F1B pass's stages, each its own branches: in the walk and the counts
+    program = Program(compiled.as_text(), step_branches(cfg, mesh.shape["stage"]))
     program.routed_share = routed_share(cfg)
 
     def per_device(tree) -> int:
@@ -279,9 +280,7 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     if target != "cpu":  # XLA:CPU's program is not the one a GPU would run
         host = hosts(mesh)
         link, measured = Link.of(datasheet), Link.of(datasheet, expected=True)
-        lockstep = step_branches(cfg, S)  # a 1F1B pass's stages, each its own branches
-        walks = (roofline(program, link, host, lockstep),
-                 roofline(program, measured, host, lockstep))
+        walks = roofline(program, link, host), roofline(program, measured, host)
         roof, expected = (summary(w, model_flops, tokens / n, link) for w in walks)
         for walk, w in zip((roof, expected), walks):
             walk["quantisation"] = quantisation_cost(program, w)

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxmoe.plan.hlo import Instruction, Program, arrays, nbytes
+from jaxmoe.plan.hlo import Instruction, Program, arrays, branch_table, nbytes
 from jaxmoe.plan.collectives import KINDS, replica_groups, sent_bytes
 from jaxmoe.plan.program_flops import (attention_backward, block_scaled, grouped_gemm,
                                        pass_of, product_flops, rows_per_group, scope_of)
@@ -378,8 +378,9 @@ def roofline(program: Program | str, link: Link, host: list[int] | None = None,
     """The predicted step of `program` on a device with `link`'s figures; `host`: each
     device's host, in the program's device order (None: one host). branches: the
     branch each stage's conditionals of a lockstep loop take, by table name, [trip,
-    stage] (`jaxmoe.parallel.one_f_one_b.branches`)."""
-    program = program if isinstance(program, Program) else Program(program)
+    stage] (`jaxmoe.parallel.one_f_one_b.branches`; by default the program's own)."""
+    program = program if isinstance(program, Program) else Program(program, branches)
+    branches = program.branches if branches is None else branches
     out = Roofline()
     costs: dict[str, tuple[str, float, bool]] = {}  # instruction -> (kind, seconds, async)
 
@@ -425,7 +426,7 @@ def roofline(program: Program | str, link: Link, host: list[int] | None = None,
                 else:
                     loop(body, _attr(inst, "condition"), inst.trip_count or 1, s, weight)
             elif inst.op == "conditional":
-                table = _branch_table(inst)
+                table = branch_table(inst)
                 if pick is not None and table in branches:
                     run(_branches(inst)[int(branches[table][pick])], s, weight, pick)
                     continue
@@ -516,7 +517,7 @@ def roofline(program: Program | str, link: Link, host: list[int] | None = None,
         bodies = {_attr(i, "body") for insts in program.computations.values() for i in insts
                   if i.op == "while"}
         lockstep_bodies = {b for b in bodies if any(
-            _branch_table(i) in branches for c in program.reached(b)
+            branch_table(i) in branches for c in program.reached(b)
             for i in program.computations[c] if i.op == "conditional")}
         lockstep_bodies = {b for b in lockstep_bodies
                            if not any(o != b and o in program.reached(b) for o in lockstep_bodies)}
@@ -543,12 +544,6 @@ def _branches(inst: Instruction) -> list[str]:
     if m:
         return re.findall(r"%([\w.\-]+)", m.group(1))
     return [_attr(inst, "true_computation"), _attr(inst, "false_computation")]
-
-
-def _branch_table(inst: Instruction) -> str | None:
-    """The table a conditional's branch follows (`one_f_one_b.branch_scope`), if any."""
-    m = re.search(r"lockstep_branch=(\w+)/(?:cond|switch)$", inst.op_name)
-    return m.group(1) if m else None
 
 
 def _copy(s: _Stream) -> _Stream:

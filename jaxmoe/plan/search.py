@@ -200,13 +200,12 @@ def evaluate(cfg: Config, target: str) -> dict:
     from jaxmoe.step.pipelined import step_branches
 
     compiled, steps, _ = compile_train_step(cfg, target)
-    program = Program(compiled.as_text())
+    program = Program(compiled.as_text(), step_branches(cfg, steps.mesh.shape["stage"]))
     program.routed_share = routed_share(cfg)
     host, gpu = hosts(steps.mesh), get_target(target)
-    lockstep = step_branches(cfg, steps.mesh.shape["stage"])
-    expected = roofline(program, Link.of(gpu, expected=True), host, lockstep)
+    expected = roofline(program, Link.of(gpu, expected=True), host)
     return {"peak": peak_bytes(compiled.memory_analysis()), "expected": expected.step_s,
-            "bound": roofline(program, Link.of(gpu), host, lockstep).step_s,
+            "bound": roofline(program, Link.of(gpu), host).step_s,
             "xla_recomputed": xla_recomputation(expected)["seconds"]}
 
 

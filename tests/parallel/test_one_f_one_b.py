@@ -211,12 +211,12 @@ def test_the_pass_s_conditionals_name_the_tables_they_follow(mesh):
     price at every conditional's slowest branch, which would run the first, a middle
     and the last chunk's work in every iteration."""
     from jaxmoe.parallel.one_f_one_b import branches
-    from jaxmoe.plan.hlo import Program
-    from jaxmoe.plan.roofline import Link, _branch_table, roofline
+    from jaxmoe.plan.hlo import Program, branch_table
+    from jaxmoe.plan.roofline import Link, roofline
 
     tables = lockstep.tables(lockstep.schedule(S, W, 8))
     program = Program(one_pass(tables, mesh).lower(*_inputs(8)).compile().as_text())
-    named = [_branch_table(i) for insts in program.computations.values() for i in insts
+    named = [branch_table(i) for insts in program.computations.values() for i in insts
              if i.op == "conditional"]
     assert named and set(named) <= set(branches(tables)), named
     link = Link(bf16_flops=1e11, fp8_flops=2e11, hbm=1e9, scale_up=1e9, scale_out=1e8)

@@ -416,3 +416,10 @@ def test_a_lockstep_loop_takes_each_trip_at_its_slowest_stage():
         pytest.approx(3 * work, rel=1e-9)
     with pytest.raises(ValueError, match="3 trips, tables of 2"):
         roofline(program, LINK, branches={"b_kind": tables["b_kind"][:2]})
+    # the counts: a device runs the working branch in 2 of the 6 (trip, stage) on
+    # average, 1 of its 3 trips (without tables, in all 3)
+    runs = lambda r: {k.name: k.runs for k in r.kernels}["cast.2"]  # noqa: E731
+    assert runs(roofline(program, LINK)) == 3
+    weighed = roofline(Program(LOCKSTEP_HLO, tables), LINK)
+    assert runs(weighed) == pytest.approx(1.0)
+    assert weighed.step_s == pytest.approx(2 * work, rel=1e-9)  # the program's own tables
