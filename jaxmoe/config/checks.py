@@ -257,7 +257,7 @@ def check_across(c: Config) -> None:
     if W > 1:  # circular
         require(c.mesh.stage > 1, "mesh.stage", "virtual stages need an explicit stage count "
                 "above 1")
-        require(M >= c.mesh.stage or c.pipeline.schedule == "1f1b", "pipeline.stage_microbatches",
+        require(M >= c.mesh.stage, "pipeline.stage_microbatches",
                 f"a circular schedule needs at least as many micro-batches as stages "
                 f"({c.mesh.stage})")
     if c.mesh.stage > 1:
@@ -267,9 +267,9 @@ def check_across(c: Config) -> None:
     A = max(t.accumulation_steps, 1)
     require(c.pipeline.schedule in ("circular", "1f1b"), "pipeline.schedule",
             f"{c.pipeline.schedule!r} is not one of 'circular', '1f1b'")
-    if c.pipeline.schedule == "1f1b":
-        require(c.mesh.stage > 1, "pipeline.schedule", "1f1b needs pipeline stages (mesh.stage "
-                "above 1)")
+    if c.pipeline.schedule == "1f1b" and c.mesh.stage != 1:  # without stages it is inert
+        require(c.mesh.stage > 1, "pipeline.schedule", "1f1b needs an explicit stage count "
+                f"(mesh.stage above 1, not {c.mesh.stage})")
         require(c.mesh.parallelism == "ddp", "pipeline.schedule", "1f1b runs in the ddp step "
                 "(mesh.parallelism: ddp)")
         require(t.remat == "full", "pipeline.schedule", "1f1b recomputes every chunk from its "

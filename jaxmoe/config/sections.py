@@ -194,7 +194,8 @@ class PipelineConfig:
     # a slice's M x virtual_stages chunk inputs. "1f1b": every slice's micro-batches in
     # one pass that runs each chunk's backward as soon as it can (interleaved 1F1B with
     # virtual_stages above 1): a stage holds a fixed count of chunk inputs, and the
-    # pipeline fills and drains once a step (the ddp step, train.remat: full)
+    # pipeline fills and drains once a step (the ddp step, train.remat: full; without
+    # stages there is no pipeline to schedule, and the key changes nothing)
     schedule: str = "circular"
 
 

@@ -72,6 +72,9 @@ def device_pass(tables: Tables, first: Callable, chunk: Callable, last: Callable
     as the ddp step does). stats: (first's, chunk's, last's) stats at each iteration
     [T, ...], from the backward this stage ran there (zeros where it ran none).
     """
+    if np.any((tables.b_first == 1) & (tables.b_last == 1)):
+        raise ValueError("a 1F1B pass of one chunk: its first chunk is its last, which "
+                         "needs no pipeline")
     s = lax.axis_index(axis)
     S = tables.f_on.shape[1]
     table = {k: jnp.asarray(v) for k, v in {**tables._asdict(), **branches(tables)}.items()

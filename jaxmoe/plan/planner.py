@@ -224,7 +224,7 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     from jaxmoe.plan.hlo import Program
     from jaxmoe.plan.collectives import collectives, totals
     from jaxmoe.parallel.pipeline import bubble_fraction
-    from jaxmoe.step.pipelined import step_branches, total_microbatches
+    from jaxmoe.step.pipelined import step_branches
     from jaxmoe.plan.program_flops import program_flops
     from jaxmoe.plan.roofline import (Link, hosts, quantisation_cost, roofline, summary,
                                       xla_recomputation)
@@ -265,10 +265,11 @@ def plan(config_path: str, overrides: list[str], target: str, device: str, mfu: 
     flops = program_flops(program)
     routed = routed_expert_flops(cfg)
     S, pipe = mesh.shape["stage"], cfg.pipeline
-    # SPMD stages compute in every iteration, bubble included: (V M + S - 1) / (V M),
-    # M a pass's micro-batches (1F1B: every slice's)
-    M = total_microbatches(cfg) if pipe.schedule == "1f1b" else pipe.stage_microbatches
-    through_bubble = 1.0 / (1.0 - bubble_fraction(S, M, pipe.virtual_stages)) if S > 1 else 1.0
+    # SPMD stages compute in every iteration, bubble included: (V M + S - 1) / (V M)
+    # (1F1B's stages skip the ops they do not run: no bubble computes)
+    through_bubble = (1.0 / (1.0 - bubble_fraction(S, pipe.stage_microbatches,
+                                                   pipe.virtual_stages))
+                      if S > 1 and pipe.schedule != "1f1b" else 1.0)
     t = cfg.train
     tokens = t.batch_size * t.seq_len
     model_flops = flops_per_token(cfg) * tokens / n

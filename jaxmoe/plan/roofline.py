@@ -543,7 +543,8 @@ def _branches(inst: Instruction) -> list[str]:
     m = re.search(r"branch_computations=\{([^}]*)\}", inst.attrs)
     if m:
         return re.findall(r"%([\w.\-]+)", m.group(1))
-    return [_attr(inst, "true_computation"), _attr(inst, "false_computation")]
+    # a predicate's conditional: index 0 is false, 1 true, as `branches` tables count
+    return [_attr(inst, "false_computation"), _attr(inst, "true_computation")]
 
 
 def _copy(s: _Stream) -> _Stream:

@@ -197,7 +197,7 @@ def build_steps(cfg: Config, mesh: Mesh) -> Steps:
         zero = jnp.zeros((), jnp.int32)
         return TrainState(zero, params, buffers, tx.init(params), key, zero)
 
-    if cfg.pipeline.schedule == "1f1b":
+    if cfg.pipeline.schedule == "1f1b" and program.stack is not None:
         gradients = functools.partial(pipelined_gradients, cfg, graphdef, program.layout)
     else:
         gradients = functools.partial(accumulate_gradients,
