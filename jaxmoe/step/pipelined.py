@@ -95,9 +95,11 @@ def pipelined_gradients(cfg: Config, graphdef: nnx.GraphDef, layout, params, buf
         return (moe.balance_loss_weight * jnp.sum(aux["balance_loss"])
                 + moe.z_loss_weight * jnp.sum(aux["z_loss"])) / (layers_counted * scale)
 
+    def tokens_of(k):  # micro-batch k's rows
+        return jax.lax.dynamic_index_in_dim(micro_KxrxLn, k, keepdims=False)
+
     def first(o, k):
-        tokens_rxLn = jax.lax.dynamic_index_in_dim(micro_KxrxLn, k, keepdims=False)
-        return model_of(o).front(tokens_rxLn[:, :L], layout=layout)
+        return model_of(o).front(tokens_of(k)[:, :L], layout=layout)
 
     def chunk(w, x, k, v):
         copies = {p: jax.tree.map(lambda a: a[v], c) for p, c in copies_W.items()}
@@ -109,8 +111,7 @@ def pipelined_gradients(cfg: Config, graphdef: nnx.GraphDef, layout, params, buf
         return y, router_part(aux, M), aux
 
     def last(o, y, k):
-        model = model_of(o)
-        tokens_rxLn = jax.lax.dynamic_index_in_dim(micro_KxrxLn, k, keepdims=False)
+        model, tokens_rxLn = model_of(o), tokens_of(k)
         ce = model.cross_entropy(y, tokens_rxLn[:, 1:L + 1], layout, t.loss_chunk)
         loss, stats = ce / M, {"ce": ce}
         if N:

@@ -173,8 +173,7 @@ class DeviceProgram(Program):
         whose stages share the work outside the pipeline instead of each doing all of
         it (`StageRowsLayout`); else the device layout."""
         rows = self.cfg.train.batch_size // math.prod(self.mesh.shape[a] for a in BATCH_AXES)
-        if (self.stack is None or rows // self.cfg.train.accumulation_steps % self.stack.stages
-                or self.cfg.pipeline.schedule == "1f1b"):  # its first and last chunks do that work
+        if self.stack is None or rows // self.cfg.train.accumulation_steps % self.stack.stages:
             return self.layout
         return StageRowsLayout(self.layout)
 
